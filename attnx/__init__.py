@@ -1,0 +1,42 @@
+"""attnx: the attention family, written once against the array API standard.
+
+Run it on NumPy, PyTorch, CuPy or any array library that a backend plugin
+registers through the ``attnx.backends`` entry-point group.
+"""
+
+from attnx import masks
+from attnx._config import get_backend, set_backend, use_backend
+from attnx._registry import BackendInfo, registry as _registry
+from attnx.attention import masked_softmax, scaled_dot_product_attention
+from attnx.backend import Backend
+from attnx.conversion import asarray, list_backends, to_numpy
+from attnx.errors import BackendUnavailableError, PluginError, PluginWarning
+from attnx.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+#: The pluggy ``PluginManager`` holding attnx's plugins.
+plugin_manager = _registry.plugin_manager
+register_plugin = _registry.register_plugin
+unregister_plugin = _registry.unregister_plugin
+
+__all__ = [
+    "Backend",
+    "BackendInfo",
+    "BackendUnavailableError",
+    "PluginError",
+    "PluginWarning",
+    "asarray",
+    "get_backend",
+    "hookimpl",
+    "list_backends",
+    "masked_softmax",
+    "masks",
+    "plugin_manager",
+    "register_plugin",
+    "scaled_dot_product_attention",
+    "set_backend",
+    "to_numpy",
+    "unregister_plugin",
+    "use_backend",
+]

@@ -1,0 +1,87 @@
+"""Argument checks shared by every operation: one home for each rule.
+
+Every check runs before any computation and raises the exception users
+expect (``ValueError`` for shapes and values, ``TypeError`` for types),
+naming the operation, the argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import array_api_extra as xpx
+from array_api_compat import device as device_of
+
+
+def shape_of(array: Any) -> tuple[int, ...]:
+    return tuple(array.shape)
+
+
+def require_ndim(operation: str, name: str, array: Any, min_ndim: int, layout: str) -> None:
+    if array.ndim < min_ndim:
+        raise ValueError(
+            f"{operation}: {name} must have shape {layout} (at least {min_ndim} dimensions), "
+            f"got shape {shape_of(array)}"
+        )
+
+
+@lru_cache(maxsize=64)
+def _kind(xp: Any, dtype: Any) -> str:
+    if xp.isdtype(dtype, "real floating"):
+        return "float"
+    if xp.isdtype(dtype, "bool"):
+        return "bool"
+    if xp.isdtype(dtype, "integral"):
+        return "int"
+    if "bfloat16" in str(dtype):  # not in the standard, but a real float
+        return "float"
+    return "other"
+
+
+def dtype_kind(xp: Any, array: Any) -> str:
+    """``"float"``, ``"int"``, ``"bool"`` or ``"other"`` (cached per dtype)."""
+    return _kind(xp, array.dtype)
+
+
+def require_float(operation: str, xp: Any, name: str, array: Any) -> None:
+    if _kind(xp, array.dtype) != "float":
+        raise TypeError(
+            f"{operation}: {name} must have a real floating-point dtype, got {array.dtype}"
+        )
+
+
+def require_same_dtype(operation: str, names: tuple[str, ...], arrays: tuple[Any, ...]) -> None:
+    first = arrays[0].dtype
+    for name, array in zip(names[1:], arrays[1:]):
+        if array.dtype != first:
+            raise TypeError(
+                f"{operation}: {name} has dtype {array.dtype} but {names[0]} has {first}; "
+                f"cast them to one dtype"
+            )
+
+
+def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """Broadcast shapes, or a ValueError naming the arguments that clash."""
+    try:
+        return tuple(xpx.broadcast_shapes(*named_shapes.values()))
+    except ValueError:
+        described = ", ".join(f"{name} {shape}" for name, shape in named_shapes.items())
+        raise ValueError(f"{operation}: shapes do not broadcast: {described}") from None
+
+
+def require_positive_int(operation: str, name: str, value: Any, *, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
+        raise TypeError(f"{operation}: {name} must be an integer, got {type(value).__name__}")
+    value = int(value.__index__())
+    if value < 0 or (value == 0 and not allow_zero):
+        expected = "a non-negative" if allow_zero else "a positive"
+        raise ValueError(f"{operation}: {name} must be {expected} integer, got {value}")
+    return value
+
+
+def accumulation_dtype(xp: Any, dtype: Any) -> Any:
+    """float32 for half-precision inputs, the input dtype otherwise."""
+    if dtype == xp.float32 or dtype == xp.float64:
+        return dtype
+    return xp.float32

@@ -1,0 +1,71 @@
+"""The current backend: for operations that create arrays from nothing."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+from attnx._registry import registry
+from attnx.backend import Backend
+
+#: Environment variable naming the default backend.
+BACKEND_ENV = "ATTNX_BACKEND"
+DEFAULT_BACKEND = "numpy"
+
+_context_backend: ContextVar[str | None] = ContextVar("attnx_backend", default=None)
+_process_backend: str | None = None
+
+
+def set_backend(name: str | None) -> None:
+    """Set the process-wide current backend (``None`` restores the default).
+
+    :func:`use_backend` blocks take precedence over it.
+    """
+    global _process_backend
+    if name is not None:
+        registry.get(name)  # fail now, with the reason, rather than at the next call
+    _process_backend = name
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[Backend]:
+    """Make ``name`` the current backend inside a ``with`` block.
+
+    Backed by :mod:`contextvars`, so it is local to the thread or async task.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> with attnx.use_backend("numpy"):
+    ...     attnx.masks.causal(2).shape
+    (2, 2)
+    """
+    backend = registry.get(name)
+    token = _context_backend.set(name)
+    try:
+        yield backend
+    finally:
+        _context_backend.reset(token)
+
+
+def current_backend() -> tuple[Backend, str]:
+    """The current backend and why it is current."""
+    name = _context_backend.get()
+    if name is not None:
+        return registry.get(name), "use_backend() block"
+    if _process_backend is not None:
+        return registry.get(_process_backend), "set_backend()"
+    name = os.environ.get(BACKEND_ENV)
+    if name:
+        try:
+            return registry.get(name), f"${BACKEND_ENV}"
+        except (ValueError, RuntimeError) as exc:
+            raise type(exc)(f"{exc} (from the environment variable {BACKEND_ENV})") from None
+    return registry.get(DEFAULT_BACKEND), "default"
+
+
+def get_backend() -> str:
+    """Name of the current backend."""
+    return current_backend()[0].name

@@ -1,0 +1,97 @@
+"""Choosing the backend for a call, and running native or generic code.
+
+Selection order, as in NetworkX: an explicit ``backend=`` (strict: it must
+own the inputs), else the backend that owns the input arrays, else the
+current backend (:func:`attnx.use_backend`, :func:`attnx.set_backend`,
+``$ATTNX_BACKEND``, ``"numpy"``).  Each decision is one DEBUG line on the
+``attnx`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from attnx._config import current_backend
+from attnx._registry import registry
+from attnx.backend import Backend
+
+logger = logging.getLogger("attnx")
+
+_NOT_ARRAYS = (int, float, complex, bool, str)
+
+
+def _type_name(array: Any) -> str:
+    kind = type(array)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def resolve(
+    operation: str,
+    backend: str | None,
+    names: Sequence[str],
+    arrays: Sequence[Any],
+) -> tuple[Backend, str]:
+    """The backend that runs ``operation`` on ``arrays``, and why.
+
+    ``names`` are the argument names, used in error messages only.
+    """
+    owner = owner_name = None
+    for name, array in zip(names, arrays):
+        if array is None or isinstance(array, _NOT_ARRAYS):
+            continue
+        found = registry.owner_of(array)
+        if found is None:
+            if backend is not None and registry.get(backend).owns(array):
+                continue
+            known = ", ".join(registry.names())
+            raise TypeError(
+                f"{operation}: {name} must be an array of a registered backend ({known}), "
+                f"got {_type_name(array)}; convert it with attnx.asarray({name}, backend=...)"
+            )
+        if owner is None:
+            owner, owner_name = found, name
+        elif found is not owner:
+            raise TypeError(
+                f"{operation}: inputs come from two backends: {owner_name} is a {owner.name!r} "
+                f"array but {name} is a {found.name!r} array; convert one with "
+                f"attnx.asarray(x, backend=..., device=...)"
+            )
+    if backend is not None:
+        chosen = registry.get(backend)
+        if owner is not None and owner is not chosen:
+            for name, array in zip(names, arrays):
+                if array is not None and not isinstance(array, _NOT_ARRAYS) and not chosen.owns(array):
+                    raise TypeError(
+                        f"{operation}: backend={backend!r} does not own {name} "
+                        f"({_type_name(array)}); convert the inputs with "
+                        f"attnx.asarray(x, backend={backend!r}, device=...) "
+                        f"(attnx.to_numpy(x) goes back)"
+                    )
+        return chosen, "backend= argument"
+    if owner is not None:
+        return owner, f"owns {owner_name}"
+    return current_backend()
+
+
+def call(
+    operation: str,
+    backend: Backend,
+    reason: str,
+    generic: Callable[..., Any],
+    arguments: dict[str, Any],
+) -> Any:
+    """Run the backend's native implementation of ``operation`` if it has one
+    that accepts the call, else ``generic(xp, **arguments)``."""
+    native = backend.implementations().get(operation)
+    if native is not None:
+        result = native(**arguments)
+        if result is not NotImplemented:
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("%s: backend %r (%s), native", operation, backend.name, reason)
+            return result
+    if logger.isEnabledFor(logging.DEBUG):
+        declined = ", native declined" if native is not None else ""
+        logger.debug("%s: backend %r (%s), generic%s", operation, backend.name, reason, declined)
+    return generic(backend.xp, **arguments)

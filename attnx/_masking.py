@@ -1,0 +1,178 @@
+"""Mask rules and the masked softmax: the single home of both.
+
+A mask says which keys each query may attend.  Boolean masks are ``True``
+where attention is allowed; real-valued masks are added to the scores
+(``-inf`` forbids).  Causal, padding (``key_lengths``) and window masks are
+boolean.  All masks combine: a key is attended only where every mask allows
+it.
+
+A query row with no key left to attend gets all-zero weights, hence an
+all-zero output: never NaN, never a uniform average (which is what filling
+with a large negative number gives).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from attnx._checks import broadcast, device_of, dtype_kind, shape_of
+
+Align = Literal["bottom_right", "top_left"]
+
+
+def _offset(n: int, m: int, align: str) -> int:
+    if align == "bottom_right":
+        return m - n
+    if align == "top_left":
+        return 0
+    raise ValueError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
+
+
+def _positions(xp: Any, n: int, m: int, align: str, device: Any) -> tuple[Any, Any]:
+    """Query positions aligned to key positions, as (n, 1) and (1, m) grids."""
+    rows = xp.arange(n, device=device)[:, None] + _offset(n, m, align)
+    cols = xp.arange(m, device=device)[None, :]
+    return rows, cols
+
+
+def causal(xp: Any, n: int, m: int, *, align: str = "bottom_right", device: Any = None) -> Any:
+    """Boolean ``(n, m)``: query ``i`` attends key ``j`` where ``j <= i + offset``."""
+    rows, cols = _positions(xp, n, m, align, device)
+    return cols <= rows
+
+
+def window(
+    xp: Any, n: int, m: int, left: int | None, right: int | None, *, align: str = "bottom_right",
+    device: Any = None,
+) -> Any:
+    """Boolean ``(n, m)``: keys from ``left`` before to ``right`` after the query."""
+    rows, cols = _positions(xp, n, m, align, device)
+    allowed = None
+    if left is not None:
+        allowed = cols >= rows - left
+    if right is not None:
+        upper = cols <= rows + right
+        allowed = upper if allowed is None else allowed & upper
+    if allowed is None:
+        allowed = xp.ones((n, m), dtype=xp.bool, device=device)
+    return allowed
+
+
+# -- checks ---------------------------------------------------------------
+
+def check_mask(operation: str, xp: Any, mask: Any, batch_shape: tuple[int, ...], n: int, m: int) -> None:
+    kind = dtype_kind(xp, mask)
+    if kind not in ("bool", "float"):
+        raise TypeError(
+            f"{operation}: mask must be boolean (True where attention is allowed) or real "
+            f"floating (added to the scores), got dtype {mask.dtype}"
+        )
+    target = (*batch_shape, n, m)
+    if broadcast(operation, {"mask": shape_of(mask), "scores": target}) != target:
+        raise ValueError(
+            f"{operation}: mask must broadcast to the scores' shape (..., n, m) = {target}, "
+            f"got shape {shape_of(mask)}"
+        )
+
+
+def _lengths_layout(shape: tuple[int, ...], batch_shape: tuple[int, ...], n: int) -> str | None:
+    if len(shape) == 1 and len(batch_shape) > 1 and shape[0] == batch_shape[0]:
+        return "batch_first"
+    if len(shape) == len(batch_shape) + 1 and shape[-1] in (n, 1):
+        try:
+            broadcast("", {"a": shape[:-1], "b": batch_shape})
+            return "per_query"
+        except ValueError:
+            pass
+    if len(shape) <= len(batch_shape):
+        try:
+            if broadcast("", {"a": shape, "b": batch_shape}) == batch_shape:
+                return "per_sequence"
+        except ValueError:
+            pass
+    return None
+
+
+def check_lengths(
+    operation: str, xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int
+) -> None:
+    if dtype_kind(xp, key_lengths) != "int":
+        raise TypeError(f"{operation}: key_lengths must have an integer dtype, got {key_lengths.dtype}")
+    shape = shape_of(key_lengths)
+    if _lengths_layout(shape, batch_shape, n) is None:
+        first = f"({batch_shape[0]},), " if batch_shape else ""
+        raise ValueError(
+            f"{operation}: key_lengths must have shape {first}the leading shape {batch_shape} "
+            f"(broadcastable) or {(*batch_shape, n)} (one per query), got {shape}"
+        )
+    if xp.any(key_lengths < 0) or xp.any(key_lengths > m):
+        low, high = int(xp.min(key_lengths)), int(xp.max(key_lengths))
+        raise ValueError(
+            f"{operation}: key_lengths must lie in [0, m] with m = {m} keys, "
+            f"got values from {low} to {high}"
+        )
+
+
+# -- building -------------------------------------------------------------
+
+def lengths_mask(xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int) -> Any:
+    """Boolean mask broadcastable to ``(*batch_shape, n, m)``: keys ``j < length``."""
+    layout = _lengths_layout(shape_of(key_lengths), batch_shape, n)
+    if layout == "batch_first":
+        key_lengths = xp.reshape(key_lengths, (key_lengths.shape[0],) + (1,) * (len(batch_shape) - 1))
+    lengths = key_lengths[..., None] if layout == "per_query" else key_lengths[..., None, None]
+    positions = xp.arange(m, device=device_of(key_lengths), dtype=key_lengths.dtype)
+    return positions < lengths
+
+
+def combine(
+    xp: Any,
+    *,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    batch_shape: tuple[int, ...],
+    n: int,
+    m: int,
+    dtype: Any,
+    device: Any,
+) -> tuple[Any, Any]:
+    """All masks as ``(allowed, additive)``: a boolean and a real array (each
+    None when absent), both broadcastable to ``(*batch_shape, n, m)``."""
+    allowed = additive = None
+    if is_causal:
+        allowed = causal(xp, n, m, device=device)
+    if key_lengths is not None:
+        padding = lengths_mask(xp, key_lengths, batch_shape, n, m)
+        allowed = padding if allowed is None else allowed & padding
+    if mask is not None:
+        if mask.dtype == xp.bool:
+            allowed = mask if allowed is None else allowed & mask
+        else:
+            additive = xp.astype(mask, dtype) if mask.dtype != dtype else mask
+    return allowed, additive
+
+
+def as_additive(xp: Any, allowed: Any, additive: Any, dtype: Any) -> Any:
+    """One real mask equivalent to ``(allowed, additive)`` (for native kernels)."""
+    if allowed is None:
+        return additive
+    base = additive if additive is not None else xp.zeros((), dtype=dtype, device=device_of(allowed))
+    return xp.where(allowed, base, xp.asarray(-float("inf"), dtype=dtype, device=device_of(allowed)))
+
+
+def softmax(xp: Any, scores: Any, allowed: Any = None, additive: Any = None) -> Any:
+    """Stable softmax over the last axis with masks; fully masked rows give zeros."""
+    if additive is not None:
+        scores = scores + additive
+    if allowed is not None:
+        scores = xp.where(allowed, scores, -float("inf"))
+    row_max = xp.max(scores, axis=-1, keepdims=True)
+    if allowed is not None or additive is not None:
+        # A fully masked row has max -inf; shift it by 0 so exp gives zeros, not NaN.
+        row_max = xp.where(row_max == -float("inf"), 0.0, row_max)
+    exp_scores = xp.exp(scores - row_max)
+    total = xp.sum(exp_scores, axis=-1, keepdims=True)
+    if allowed is not None or additive is not None:
+        total = xp.where(total == 0.0, 1.0, total)
+    return exp_scores / total

@@ -1,0 +1,206 @@
+"""The backend registry: plugins found through entry points, loaded lazily."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+
+import pluggy
+
+from attnx import hookspecs
+from attnx.backend import Backend
+from attnx.errors import BackendUnavailableError, PluginError, PluginWarning
+
+ENTRY_POINT_GROUP = "attnx.backends"
+#: Set to 1 to turn plugin failures into exceptions (for backend authors and CI).
+STRICT_ENV = "ATTNX_STRICT_PLUGINS"
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """One row of :func:`attnx.list_backends`."""
+
+    name: str
+    available: bool
+    reason: str | None
+    version: str | None
+    devices: tuple[str, ...]
+    distribution: str | None
+
+
+@dataclass
+class _Entry:
+    backend: Backend | None
+    plugin: str
+    distribution: str | None
+    error: str | None = None
+    _reason: Any = field(default=..., repr=False)
+
+    def reason(self) -> str | None:
+        if self._reason is ...:
+            if self.error is not None:
+                self._reason = self.error
+            else:
+                try:
+                    self._reason = self.backend.unavailable_reason()
+                except Exception as exc:  # a broken check must not break attnx
+                    self._reason = f"availability check failed: {exc!r}"
+        return self._reason
+
+
+class Registry:
+    """Backends by name, built from pluggy plugins on first use."""
+
+    def __init__(self, group: str = ENTRY_POINT_GROUP) -> None:
+        self.group = group
+        self.plugin_manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self.plugin_manager.add_hookspecs(hookspecs)
+        self._entries: dict[str, _Entry] = {}
+        self._failures: list[_Entry] = []
+        self._type_owners: dict[type, Backend] = {}
+        self._loaded = False
+        self._lock = threading.RLock()
+
+    # -- loading ------------------------------------------------------------
+    def _ensure_loaded(self) -> None:
+        if self._loaded:
+            return
+        with self._lock:
+            if self._loaded:
+                return
+            found = sorted(
+                entry_points(group=self.group),
+                # attnx's own backends first, so they win ownership ties.
+                key=lambda ep: (_dist_name(ep) != "attnx", _dist_name(ep) or "", ep.name),
+            )
+            for ep in found:
+                try:
+                    plugin = ep.load()
+                except Exception as exc:
+                    self._fail(ep.name, _dist_name(ep), f"failed to import {ep.value!r}: {exc!r}")
+                    continue
+                self._add_plugin(plugin, ep.name, _dist_name(ep))
+            self._loaded = True
+
+    def _fail(self, plugin: str, distribution: str | None, message: str, listed: bool = True) -> None:
+        if listed:
+            self._failures.append(_Entry(None, plugin, distribution, error=message))
+        text = f"attnx plugin {plugin!r} ({distribution or 'no distribution'}): {message}"
+        if os.environ.get(STRICT_ENV, "") not in ("", "0"):
+            raise PluginError(text)
+        warnings.warn(text, PluginWarning, stacklevel=4)
+
+    def _add_plugin(self, plugin: Any, name: str, distribution: str | None) -> None:
+        pm = self.plugin_manager
+        try:
+            pm.register(plugin, name=name)
+        except Exception as exc:
+            self._fail(name, distribution, f"failed to register: {exc!r}")
+            return
+        for impl in pm.hook.attnx_backends.get_hookimpls():
+            if impl.plugin is not plugin:
+                continue
+            try:
+                backends = list(impl.function())
+                for backend in backends:
+                    if not isinstance(backend, Backend) or not backend.name:
+                        raise TypeError(f"expected named attnx.Backend instances, got {backend!r}")
+            except Exception as exc:
+                self._fail(name, distribution, f"attnx_backends() failed: {exc!r}")
+                continue
+            for backend in backends:
+                self._add_backend(_Entry(backend, name, distribution))
+        self._type_owners.clear()
+
+    def _add_backend(self, entry: _Entry) -> None:
+        name = entry.backend.name
+        previous = self._entries.get(name)
+        if previous is None:
+            self._entries[name] = entry
+            return
+        # Two plugins claim one name: neither wins silently.
+        message = (
+            f"backend name {name!r} is claimed by more than one plugin "
+            f"({previous.plugin!r} from {previous.distribution}, {entry.plugin!r} "
+            f"from {entry.distribution}); uninstall one of them"
+        )
+        self._entries[name] = _Entry(previous.backend, previous.plugin, previous.distribution, error=message)
+        self._fail(entry.plugin, entry.distribution, message, listed=False)
+
+    # -- public operations ------------------------------------------------------
+    def register_plugin(self, plugin: Any, name: str | None = None) -> str:
+        """Register a plugin object (module) at runtime; returns its name."""
+        self._ensure_loaded()
+        with self._lock:
+            name = name or getattr(plugin, "__name__", None) or repr(plugin)
+            self._add_plugin(plugin, name, None)
+            return name
+
+    def unregister_plugin(self, name: str) -> None:
+        """Remove a plugin registered under ``name`` and its backends."""
+        self._ensure_loaded()
+        with self._lock:
+            self.plugin_manager.unregister(name=name)
+            self._entries = {k: e for k, e in self._entries.items() if e.plugin != name}
+            self._failures = [e for e in self._failures if e.plugin != name]
+            self._type_owners.clear()
+
+    def names(self) -> list[str]:
+        self._ensure_loaded()
+        return list(self._entries)
+
+    def get(self, name: str) -> Backend:
+        """The backend called ``name``, ready to use; raises if it can't be."""
+        self._ensure_loaded()
+        entry = self._entries.get(name)
+        if entry is None:
+            known = ", ".join(repr(n) for n in self._entries) or "none"
+            raise ValueError(f"unknown attnx backend {name!r}; registered backends: {known}")
+        reason = entry.reason()
+        if reason is not None:
+            raise BackendUnavailableError(f"attnx backend {name!r} is unavailable: {reason}")
+        return entry.backend
+
+    def owner_of(self, array: Any) -> Backend | None:
+        """The first available backend that owns ``array``'s type (cached)."""
+        kind = type(array)
+        owner = self._type_owners.get(kind)
+        if owner is None:
+            self._ensure_loaded()
+            for entry in self._entries.values():
+                if entry.backend is not None and entry.backend.owns(array) and entry.reason() is None:
+                    owner = self._type_owners[kind] = entry.backend
+                    break
+        return owner
+
+    def info(self) -> list[BackendInfo]:
+        self._ensure_loaded()
+        rows = []
+        for name, entry in self._entries.items():
+            reason = entry.reason()
+            version = devices = None
+            if reason is None:
+                try:
+                    version = entry.backend.version()
+                    devices = tuple(str(d) for d in entry.backend.devices())
+                except Exception as exc:
+                    reason = f"failed to query: {exc!r}"
+            rows.append(
+                BackendInfo(name, reason is None, reason, version, devices or (), entry.distribution)
+            )
+        for entry in self._failures:
+            if entry.plugin not in self._entries:
+                rows.append(BackendInfo(entry.plugin, False, entry.error, None, (), entry.distribution))
+        return rows
+
+
+def _dist_name(ep: Any) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return dist.name if dist is not None else None
+
+
+registry = Registry()

@@ -1,0 +1,253 @@
+"""Scaled dot-product attention and the masked softmax."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from attnx import _checks, _dispatch, _masking
+
+__all__ = ["masked_softmax", "scaled_dot_product_attention"]
+
+_SDPA = "scaled_dot_product_attention"
+_SDPA_ARGS = ("query", "key", "value", "mask", "key_lengths")
+
+
+def scaled_dot_product_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    mask: Any = None,
+    key_lengths: Any = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    return_weights: bool = False,
+    backend: str | None = None,
+) -> Any:
+    r"""Scaled dot-product attention, :math:`\mathrm{softmax}(q k^T s + M) v`.
+
+    Parameters
+    ----------
+    query : array, shape (..., n, d_k)
+    key : array, shape (..., m, d_k)
+    value : array, shape (..., m, d_v)
+        Leading dimensions broadcast against each other, so one key/value
+        head can serve many query heads.  All three share one floating dtype.
+    mask : array, optional
+        Broadcastable to ``(..., n, m)``.  Boolean: ``True`` where a query may
+        attend a key (PyTorch SDPA's convention, the inverse of
+        ``nn.MultiheadAttention``'s).  Real-valued: added to the scores, with
+        ``-inf`` forbidding.
+    key_lengths : integer array, optional
+        Keys at positions ``>= length`` are ignored (padding).  Shape ``(B,)``
+        with one length per sequence of the batch (``B`` is the first leading
+        dimension, shared by the others, such as heads), or the leading shape
+        ``(...)`` (broadcastable), or ``(..., n)`` for one length per query.
+    is_causal : bool
+        Query ``i`` attends key ``j`` only where ``j <= i + (m - n)``: aligned
+        to the end, the usual lower triangle when ``n == m`` and right for
+        decoding with cached keys.  (PyTorch aligns to the start; pass
+        ``mask=attnx.masks.causal(n, m, align="top_left")`` for that.)
+    scale : float, optional
+        Multiplies the scores; ``1 / sqrt(d_k)`` by default.
+    return_weights : bool
+        Also return the attention weights.
+    backend : str, optional
+        Run on this backend; by default the one that owns the inputs.
+
+    Returns
+    -------
+    output : array, shape (..., n, d_v)
+        Same array type, dtype and device as ``query``.
+    weights : array, shape (..., n, m)
+        Only with ``return_weights=True``.
+
+    Notes
+    -----
+    All masks combine.  A query with no key left to attend gets zeros as
+    output and as weights, never NaN.  Half-precision inputs are computed
+    in float32 and returned in their own dtype.
+
+    Native implementations are called with the keyword arguments ``query``,
+    ``key``, ``value``, ``mask``, ``key_lengths``, ``is_causal``, ``scale``
+    (a float) and ``return_weights``, after validation.
+    """
+    chosen, reason = _dispatch.resolve(_SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths))
+    xp = chosen.xp
+    scale = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
+    return _dispatch.call(
+        _SDPA,
+        chosen,
+        reason,
+        sdpa_generic,
+        {
+            "query": query,
+            "key": key,
+            "value": value,
+            "mask": mask,
+            "key_lengths": key_lengths,
+            "is_causal": bool(is_causal),
+            "scale": scale,
+            "return_weights": return_weights,
+        },
+    )
+
+
+def check_attention_inputs(
+    operation: str, xp: Any, query: Any, key: Any, value: Any, mask: Any, key_lengths: Any, scale: Any
+) -> float:
+    """Validate query/key/value/masks; returns the scale as a Python float."""
+    _checks.require_ndim(operation, "query", query, 2, "(..., n, d_k)")
+    _checks.require_ndim(operation, "key", key, 2, "(..., m, d_k)")
+    _checks.require_ndim(operation, "value", value, 2, "(..., m, d_v)")
+    for name, array in (("query", query), ("key", key), ("value", value)):
+        _checks.require_float(operation, xp, name, array)
+    _checks.require_same_dtype(operation, ("query", "key", "value"), (query, key, value))
+    n, d_k = query.shape[-2:]
+    m = key.shape[-2]
+    if key.shape[-1] != d_k:
+        raise ValueError(
+            f"{operation}: key must have shape (..., m, d_k) with d_k = {d_k} (from query), "
+            f"got {_checks.shape_of(key)}"
+        )
+    if value.shape[-2] != m:
+        raise ValueError(
+            f"{operation}: value must have shape (..., m, d_v) with m = {m} (from key), "
+            f"got {_checks.shape_of(value)}"
+        )
+    batch_shape = _checks.broadcast(
+        operation,
+        {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]},
+    )
+    if mask is not None:
+        _masking.check_mask(operation, xp, mask, batch_shape, n, m)
+    if key_lengths is not None:
+        _masking.check_lengths(operation, xp, key_lengths, batch_shape, n, m)
+    if scale is None:
+        return 1.0 / math.sqrt(d_k) if d_k else 1.0
+    # A Python float keeps NumPy 2 from promoting float32 inputs (NEP 50).
+    try:
+        return float(scale)
+    except TypeError:
+        raise TypeError(f"{operation}: scale must be a real number, got {type(scale).__name__}") from None
+
+
+def sdpa_generic(
+    xp: Any,
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: float,
+    return_weights: bool,
+) -> Any:
+    """The generic algorithm, array API only (inputs already validated)."""
+    dtype = query.dtype
+    compute = _checks.accumulation_dtype(xp, dtype)
+    if compute != dtype:
+        query, key, value = (xp.astype(a, compute) for a in (query, key, value))
+    n, m = query.shape[-2], key.shape[-2]
+    batch_shape = tuple(
+        _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
+    )
+    allowed, additive = _masking.combine(
+        xp,
+        mask=mask,
+        key_lengths=key_lengths,
+        is_causal=is_causal,
+        batch_shape=batch_shape,
+        n=n,
+        m=m,
+        dtype=compute,
+        device=_checks.device_of(query),
+    )
+    scores = (query * scale) @ xp.matrix_transpose(key)
+    weights = _masking.softmax(xp, scores, allowed, additive)
+    output = weights @ value
+    if compute != dtype:
+        output, weights = xp.astype(output, dtype), xp.astype(weights, dtype)
+    return (output, weights) if return_weights else output
+
+
+def masked_softmax(
+    scores: Any,
+    *,
+    mask: Any = None,
+    key_lengths: Any = None,
+    axis: int = -1,
+    backend: str | None = None,
+) -> Any:
+    """Numerically stable softmax with attention masks.
+
+    Parameters
+    ----------
+    scores : array, shape (..., n, m)
+        Real floating scores; the softmax runs over ``axis`` (the keys).
+    mask, key_lengths :
+        As in :func:`scaled_dot_product_attention`, relative to ``scores``
+        with ``axis`` moved last.
+    axis : int
+        The axis to normalise.
+
+    Returns
+    -------
+    array, same shape and dtype as ``scores``
+        Non-negative, summing to one along ``axis``; all zeros on a row
+        where every entry is masked.
+    """
+    operation = "masked_softmax"
+    chosen, reason = _dispatch.resolve(operation, backend, ("scores", "mask", "key_lengths"), (scores, mask, key_lengths))
+    xp = chosen.xp
+    _checks.require_ndim(operation, "scores", scores, 1, "(..., m)")
+    _checks.require_float(operation, xp, "scores", scores)
+    if not -scores.ndim <= axis < scores.ndim:
+        raise ValueError(f"{operation}: axis {axis} is out of range for scores with {scores.ndim} dimensions")
+    shape = _checks.shape_of(scores)
+    axis = axis % scores.ndim
+    moved = shape[:axis] + shape[axis + 1 :] + (shape[axis],)
+    if len(moved) == 1:
+        moved = (1, *moved)
+    batch_shape, n, m = moved[:-2], moved[-2], moved[-1]
+    if mask is not None:
+        _masking.check_mask(operation, xp, mask, batch_shape, n, m)
+    if key_lengths is not None:
+        _masking.check_lengths(operation, xp, key_lengths, batch_shape, n, m)
+    return _dispatch.call(
+        operation,
+        chosen,
+        reason,
+        _masked_softmax_generic,
+        {"scores": scores, "mask": mask, "key_lengths": key_lengths, "axis": axis},
+    )
+
+
+def _masked_softmax_generic(xp: Any, *, scores: Any, mask: Any, key_lengths: Any, axis: int) -> Any:
+    ndim = scores.ndim
+    dtype = scores.dtype
+    compute = _checks.accumulation_dtype(xp, dtype)
+    moved = xp.moveaxis(scores, axis, -1) if axis != ndim - 1 else scores
+    if ndim == 1:
+        moved = moved[None, :]
+    if compute != dtype:
+        moved = xp.astype(moved, compute)
+    allowed, additive = _masking.combine(
+        xp,
+        mask=mask,
+        key_lengths=key_lengths,
+        is_causal=False,
+        batch_shape=tuple(moved.shape[:-2]),
+        n=moved.shape[-2],
+        m=moved.shape[-1],
+        dtype=compute,
+        device=_checks.device_of(scores),
+    )
+    weights = _masking.softmax(xp, moved, allowed, additive)
+    if compute != dtype:
+        weights = xp.astype(weights, dtype)
+    if ndim == 1:
+        weights = weights[0, :]
+    return xp.moveaxis(weights, -1, axis) if axis != ndim - 1 else weights

@@ -1,0 +1,114 @@
+"""The interface a backend implements.
+
+A backend tells attnx how to reach one array library: its array API
+namespace, whether it can run here, which devices it has, how to move data
+to and from NumPy, and how to wait for queued device work.  It may also
+offer native implementations that replace attnx's generic algorithm for some
+operations.  See the "Writing a backend" guide in the README.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any
+
+__all__ = ["Backend"]
+
+
+class Backend:
+    """Base class for attnx backends.
+
+    Subclasses set :attr:`name` and :attr:`array_module` and implement
+    :meth:`namespace`, :meth:`asarray` and :meth:`to_numpy`; the other methods
+    have working defaults.
+
+    Attributes
+    ----------
+    name : str
+        The name users pass as ``backend=``.
+    array_module : str
+        Top-level module of the array library (``"torch"``).  The default
+        :meth:`owns` compares it with the module of an array's type, which
+        needs no import of the library.
+    float_dtypes : tuple of str
+        Floating dtypes the backend supports; the conformance suite tests each.
+    supports_autograd : bool
+        Whether gradients flow through attnx operations (the conformance suite
+        then checks them).
+    """
+
+    name: str = ""
+    array_module: str = ""
+    float_dtypes: tuple[str, ...] = ("float32", "float64")
+    supports_autograd: bool = False
+
+    _xp: ModuleType | None = None
+
+    # -- availability -----------------------------------------------------
+    def unavailable_reason(self) -> str | None:
+        """Why the backend cannot run here, or None when it can.
+
+        Called once and cached; keep it cheap (``importlib.util.find_spec``
+        rather than an import where possible).
+        """
+        return None
+
+    def version(self) -> str | None:
+        """Version of the array library, or None when unavailable."""
+        return None
+
+    def devices(self) -> list[Any]:
+        """Devices arrays can live on, default first."""
+        return ["cpu"]
+
+    # -- arrays -----------------------------------------------------------
+    def namespace(self) -> ModuleType:
+        """The array API namespace (usually from ``array_api_compat``)."""
+        raise NotImplementedError
+
+    @property
+    def xp(self) -> ModuleType:
+        """The array API namespace, imported on first use."""
+        xp = self._xp
+        if xp is None:
+            xp = self._xp = self.namespace()
+        return xp
+
+    def owns(self, array: Any) -> bool:
+        """Whether ``array`` belongs to this backend.
+
+        Called once per array type (attnx caches the answer), so it must not
+        depend on the array's values.
+        """
+        module = type(array).__module__.partition(".")[0]
+        return module == self.array_module
+
+    def asarray(self, obj: Any, *, dtype: Any = None, device: Any = None) -> Any:
+        """Convert ``obj`` (a NumPy array, a nested sequence, a scalar) to this
+        backend's array type, with ``dtype`` given by name or as a dtype."""
+        raise NotImplementedError
+
+    def to_numpy(self, array: Any) -> Any:
+        """Copy ``array`` to a NumPy array on the host."""
+        raise NotImplementedError
+
+    def synchronize(self, device: Any = None) -> None:
+        """Wait for queued work on ``device`` (for timing); no-op on the CPU."""
+
+    # -- native implementations ---------------------------------------------
+    def implementations(self) -> Mapping[str, Callable[..., Any]]:
+        """Native implementations that replace the generic algorithms.
+
+        Maps an operation name (``"scaled_dot_product_attention"``) to a
+        callable.  attnx calls it after validating the inputs, with the same
+        keyword arguments as the generic algorithm (see each operation's
+        "Native implementations" note).  It returns the result, or
+        ``NotImplemented`` to decline that call, in which case the generic
+        algorithm runs.  A native implementation must compute the same
+        function as the generic one; the conformance suite checks that.
+        """
+        return {}
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"

@@ -1,0 +1,75 @@
+"""The CuPy backend: NVIDIA GPUs.  Unavailable, with the reason, without one."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from attnx import Backend, hookimpl
+
+
+class CuPyBackend(Backend):
+    name = "cupy"
+    array_module = "cupy"
+    float_dtypes = ("float32", "float64", "float16")
+
+    def unavailable_reason(self) -> str | None:
+        if importlib.util.find_spec("cupy") is None:
+            return "cupy is not installed (pip install 'attnx[cupy]' on a machine with CUDA)"
+        try:
+            import cupy
+
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # CUDARuntimeError without a driver, ImportError without CUDA
+            return f"no usable CUDA device: {exc}"
+        return None if count > 0 else "no CUDA device found"
+
+    def version(self) -> str:
+        import cupy
+
+        return cupy.__version__
+
+    def devices(self) -> list[Any]:
+        import cupy
+
+        return [f"cuda:{i}" for i in range(cupy.cuda.runtime.getDeviceCount())]
+
+    def namespace(self) -> Any:
+        import array_api_compat.cupy
+
+        return array_api_compat.cupy
+
+    def asarray(self, obj: Any, *, dtype: Any = None, device: Any = None) -> Any:
+        import cupy
+
+        index = _device_index(device)
+        with cupy.cuda.Device(index):
+            return cupy.asarray(obj, dtype=dtype)
+
+    def to_numpy(self, array: Any) -> Any:
+        return array.get()
+
+    def synchronize(self, device: Any = None) -> None:
+        import cupy
+
+        cupy.cuda.Device(_device_index(device)).synchronize()
+
+
+def _device_index(device: Any) -> int:
+    if device is None:
+        import cupy
+
+        return cupy.cuda.Device().id
+    if isinstance(device, int):
+        return device
+    if hasattr(device, "id"):
+        return device.id
+    text = str(device)
+    if text.startswith("cuda"):
+        return int(text.partition(":")[2] or 0)
+    raise ValueError(f"the cupy backend expects a CUDA device ('cuda:0', 0), got {device!r}")
+
+
+@hookimpl
+def attnx_backends() -> list[Backend]:
+    return [CuPyBackend()]

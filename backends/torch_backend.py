@@ -1,0 +1,112 @@
+"""The PyTorch backend: CPU and CUDA tensors; autograd flows through.
+
+Its native scaled dot-product attention calls
+``torch.nn.functional.scaled_dot_product_attention`` (which picks a fused
+flash kernel when it can) with attnx's masks translated to PyTorch's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from attnx import Backend, hookimpl
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    array_module = "torch"
+    float_dtypes = ("float32", "float64", "float16", "bfloat16")
+    supports_autograd = True
+
+    _natives: Mapping[str, Callable[..., Any]] | None = None
+
+    def unavailable_reason(self) -> str | None:
+        if importlib.util.find_spec("torch") is None:
+            return "torch is not installed (pip install 'attnx[torch]')"
+        return None
+
+    def version(self) -> str:
+        import torch
+
+        return torch.__version__
+
+    def devices(self) -> list[Any]:
+        import torch
+
+        cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+        return ["cpu", *cuda]
+
+    def namespace(self) -> Any:
+        import array_api_compat.torch
+
+        return array_api_compat.torch
+
+    def asarray(self, obj: Any, *, dtype: Any = None, device: Any = None) -> Any:
+        import torch
+
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        if type(obj).__module__ == "numpy" and not obj.flags.writeable:
+            obj = obj.copy()  # torch warns on read-only buffers
+        return torch.as_tensor(obj, dtype=dtype, device=device)
+
+    def to_numpy(self, array: Any) -> Any:
+        import torch
+
+        array = array.detach().cpu()
+        if array.dtype == torch.bfloat16:  # NumPy has no bfloat16
+            array = array.float()
+        return array.numpy()
+
+    def synchronize(self, device: Any = None) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize(device)
+
+    def implementations(self) -> Mapping[str, Callable[..., Any]]:
+        if self._natives is None:
+            self._natives = {"scaled_dot_product_attention": _scaled_dot_product_attention}
+        return self._natives
+
+
+def _scaled_dot_product_attention(
+    *, query: Any, key: Any, value: Any, mask: Any, key_lengths: Any, is_causal: bool, scale: float,
+    return_weights: bool,
+) -> Any:
+    if return_weights:
+        return NotImplemented  # PyTorch's kernels don't return the weights
+    import array_api_compat.torch as xp
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention
+
+    from attnx import _masking
+
+    n, m = query.shape[-2], key.shape[-2]
+    leading = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+    if mask is None and key_lengths is None and (not is_causal or n == m):
+        attn_mask = None  # lets PyTorch pick its fused kernels
+    else:
+        # The one mask rule of attnx, expressed as PyTorch's single mask.
+        allowed, additive = _masking.combine(
+            xp, mask=mask, key_lengths=key_lengths, is_causal=is_causal, batch_shape=tuple(leading),
+            n=n, m=m, dtype=query.dtype, device=query.device,
+        )
+        attn_mask = allowed if additive is None else _masking.as_additive(xp, allowed, additive, query.dtype)
+        is_causal = False
+    if len(leading) == 0 or query.shape[:-2] != key.shape[:-2] or key.shape[:-2] != value.shape[:-2]:
+        shape = tuple(leading) or (1,)
+        query = query.expand(*shape, *query.shape[-2:])
+        key = key.expand(*shape, *key.shape[-2:])
+        value = value.expand(*shape, *value.shape[-2:])
+    output = scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+    )
+    return output.reshape(*leading, n, value.shape[-1]) if len(leading) == 0 else output
+
+
+@hookimpl
+def attnx_backends() -> list[Backend]:
+    return [TorchBackend()]
