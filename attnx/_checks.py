@@ -10,7 +10,6 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-import array_api_extra as xpx
 from array_api_compat import device as device_of
 
 
@@ -63,11 +62,17 @@ def require_same_dtype(operation: str, names: tuple[str, ...], arrays: tuple[Any
 
 def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
     """Broadcast shapes, or a ValueError naming the arguments that clash."""
-    try:
-        return tuple(xpx.broadcast_shapes(*named_shapes.values()))
-    except ValueError:
-        described = ", ".join(f"{name} {shape}" for name, shape in named_shapes.items())
-        raise ValueError(f"{operation}: shapes do not broadcast: {described}") from None
+    shapes = list(named_shapes.values())
+    ndim = max(map(len, shapes), default=0)
+    result = [1] * ndim
+    for shape in shapes:
+        for axis, size in enumerate(shape, start=ndim - len(shape)):
+            if size != 1:
+                if result[axis] not in (1, size):
+                    described = ", ".join(f"{name} {tuple(s)}" for name, s in named_shapes.items())
+                    raise ValueError(f"{operation}: shapes do not broadcast: {described}")
+                result[axis] = size
+    return tuple(result)
 
 
 def require_positive_int(operation: str, name: str, value: Any, *, allow_zero: bool = False) -> int:

@@ -96,6 +96,14 @@ class Backend:
     def synchronize(self, device: Any = None) -> None:
         """Wait for queued work on ``device`` (for timing); no-op on the CPU."""
 
+    def gradients(self, function: Callable[..., Any], arrays: list[Any]) -> list[Any]:
+        """Gradients of ``sum(function(*arrays))`` with respect to each array.
+
+        Only for backends with :attr:`supports_autograd`; the conformance
+        suite uses it to check gradients against finite differences.
+        """
+        raise NotImplementedError(f"backend {self.name!r} does not support autograd")
+
     # -- native implementations ---------------------------------------------
     def implementations(self) -> Mapping[str, Callable[..., Any]]:
         """Native implementations that replace the generic algorithms.

@@ -28,9 +28,9 @@ class TorchBackend(Backend):
         return None
 
     def version(self) -> str:
-        import torch
+        from importlib.metadata import version
 
-        return torch.__version__
+        return version("torch")
 
     def devices(self) -> list[Any]:
         import torch
@@ -65,6 +65,13 @@ class TorchBackend(Backend):
 
         if torch.cuda.is_available():
             torch.cuda.synchronize(device)
+
+    def gradients(self, function: Callable[..., Any], arrays: list[Any]) -> list[Any]:
+        import torch
+
+        leaves = [a.detach().clone().requires_grad_(True) for a in arrays]
+        output = function(*leaves)
+        return list(torch.autograd.grad(output.sum(), leaves, allow_unused=True))
 
     def implementations(self) -> Mapping[str, Callable[..., Any]]:
         if self._natives is None:

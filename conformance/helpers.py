@@ -1,0 +1,38 @@
+"""Assertions shared by the conformance tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from attnx_conformance.tolerances import tolerance
+
+RNG_SEED = 20261121
+
+
+def rng(*salt: int) -> np.random.Generator:
+    return np.random.default_rng([RNG_SEED, *salt])
+
+
+def rounded(data: np.ndarray, be: Any, dtype: str) -> np.ndarray:
+    """``data`` as the backend will see it in ``dtype``, back in float64: the
+    reference gets the same rounded inputs, so tolerances measure the
+    computation, not the input rounding."""
+    return be.numpy(be.array(data, dtype)).astype(np.float64)
+
+
+def assert_close(actual: Any, expected: np.ndarray, be: Any, dtype: str, *, like: Any = None, scale: float = 1.0) -> None:
+    """``actual`` is ``be``'s array, of ``dtype``, on ``like``'s device, with no
+    NaN, and equal to ``expected`` within the dtype's tolerance."""
+    assert be.backend.owns(actual), f"result is a {type(actual).__module__}.{type(actual).__name__}, not a {be.name} array"
+    assert be.dtype_name(actual) == dtype, f"result dtype {actual.dtype}, expected {dtype}"
+    if like is not None:
+        import array_api_compat
+
+        assert str(array_api_compat.device(actual)) == str(array_api_compat.device(like)), "result on another device"
+    got = be.numpy(actual).astype(np.float64)
+    assert got.shape == expected.shape, f"shape {got.shape}, expected {expected.shape}"
+    assert not np.isnan(got).any(), "result has NaN"
+    rtol, atol = tolerance(dtype)
+    np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol * scale)

@@ -1,0 +1,160 @@
+"""The pytest plugin behind ``pytest --pyargs attnx_conformance``.
+
+Installed with attnx (entry point ``pytest11``), so it is active in every
+pytest run where attnx is installed; it does nothing unless a test asks for
+the ``attnx_backend`` fixture.
+
+Selecting backends, in order: ``--attnx-backend NAME`` (repeatable), else
+``$ATTNX_TEST_BACKEND`` (comma-separated), else every registered backend.
+An unavailable backend's tests are skipped with its reason.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+ENV = "ATTNX_TEST_BACKEND"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("attnx", "attnx conformance suite")
+    group.addoption(
+        "--attnx-backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"run the attnx conformance suite on this backend (repeatable; default ${ENV} or all)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "attnx_operation(name): the attnx operation a test checks")
+
+
+def selected_backends(config: pytest.Config) -> list[str]:
+    names = list(config.getoption("--attnx-backend", default=[]) or [])
+    if not names and os.environ.get(ENV):
+        names = [n.strip() for n in os.environ[ENV].split(",") if n.strip()]
+    if not names:
+        import attnx
+
+        names = [info.name for info in attnx.list_backends()]
+    return names
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    if not config.getoption("--attnx-backend", default=[]) and not os.environ.get(ENV):
+        return []
+    import attnx
+
+    infos = {info.name: info for info in attnx.list_backends()}
+    lines = [f"attnx {attnx.__version__}; backends under test:"]
+    for name in selected_backends(config):
+        info = infos.get(name)
+        if info is None:
+            lines.append(f"  {name}: not registered")
+        elif info.available:
+            lines.append(f"  {name} {info.version} ({info.distribution}), devices {', '.join(info.devices)}")
+        else:
+            lines.append(f"  {name}: unavailable: {info.reason}")
+    return lines
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "attnx_backend" in metafunc.fixturenames:
+        names = selected_backends(metafunc.config)
+        metafunc.parametrize("attnx_backend", names, indirect=True, ids=names)
+
+
+@dataclass
+class BackendUnderTest:
+    """The backend a conformance test runs on, with helpers to make inputs."""
+
+    name: str
+    backend: Any
+    device: Any = None
+    dtypes: tuple[str, ...] = field(default=())
+
+    @property
+    def xp(self) -> Any:
+        return self.backend.xp
+
+    def array(self, data: Any, dtype: str | None = None) -> Any:
+        """A NumPy array (or nested list) as this backend's array."""
+        import numpy as np
+
+        data = np.asarray(data)
+        if dtype == "bfloat16":
+            return self.backend.asarray(data.astype(np.float32), dtype="bfloat16", device=self.device)
+        if dtype is not None:
+            data = data.astype(dtype)
+        return self.backend.asarray(data, device=self.device)
+
+    def numpy(self, array: Any) -> Any:
+        return self.backend.to_numpy(array)
+
+    def dtype_name(self, array: Any) -> str:
+        return str(array.dtype).rpartition(".")[2]
+
+
+@pytest.fixture
+def attnx_backend(request: pytest.FixtureRequest) -> BackendUnderTest:
+    """The backend under test (parametrized by the plugin)."""
+    import attnx
+
+    name = request.param
+    try:
+        backend = attnx._registry.get(name)
+    except (ValueError, RuntimeError) as exc:
+        pytest.skip(str(exc))
+    device = os.environ.get("ATTNX_TEST_DEVICE") or None
+    return BackendUnderTest(name, backend, device, tuple(backend.float_dtypes))
+
+
+# -- the summary per operation ----------------------------------------------
+
+_OUTCOMES: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+_SKIP_REASONS: dict[str, set[str]] = defaultdict(set)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    operation = _operation_of(report)
+    if operation is None:
+        return
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        outcome = "xfailed" if hasattr(report, "wasxfail") else report.outcome
+        _OUTCOMES[operation][outcome] += 1
+        if report.skipped and isinstance(report.longrepr, tuple):
+            _SKIP_REASONS[operation].add(str(report.longrepr[2]).removeprefix("Skipped: "))
+
+
+def _operation_of(report: pytest.TestReport) -> str | None:
+    for key in report.keywords:
+        if key.startswith("attnx_op:"):
+            return key.partition(":")[2]
+    return None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        marker = item.get_closest_marker("attnx_operation")
+        if marker is not None:
+            item.keywords[f"attnx_op:{marker.args[0]}"] = True
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _OUTCOMES:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("attnx conformance, per operation")
+    for operation in sorted(_OUTCOMES):
+        counts = _OUTCOMES[operation]
+        text = ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "skipped", "xfailed") if counts[k])
+        write(f"{operation:32s} {text}")
+        for reason in sorted(_SKIP_REASONS[operation]):
+            write(f"{'':32s}   skipped: {reason}")

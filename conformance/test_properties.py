@@ -1,0 +1,97 @@
+"""Invariants of attention, checked with hypothesis on every backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import attnx
+
+pytestmark = pytest.mark.attnx_operation("scaled_dot_product_attention")
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@st.composite
+def problems(draw, causal=st.booleans()):
+    batch = draw(st.sampled_from([(), (1,), (2,), (2, 3)]))
+    n, m = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    d_k, d_v = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    seed = draw(st.integers(0, 2**32 - 1))
+    gen = np.random.default_rng(seed)
+    q = gen.standard_normal((*batch, n, d_k)) * draw(st.sampled_from([0.1, 1.0, 10.0]))
+    k = gen.standard_normal((*batch, m, d_k))
+    v = gen.standard_normal((*batch, m, d_v))
+    mask = gen.random((n, m)) < draw(st.floats(0.0, 1.0)) if draw(st.booleans()) else None
+    return q, k, v, mask, draw(causal)
+
+
+def _run(be, q, k, v, mask, causal, dtype="float64"):
+    args = [be.array(a, dtype) for a in (q, k, v)]
+    mask_arr = None if mask is None else be.array(mask)
+    out, w = attnx.scaled_dot_product_attention(*args, mask=mask_arr, is_causal=causal, return_weights=True)
+    return be.numpy(out), be.numpy(w)
+
+
+def _allowed(mask, causal, n, m):
+    allowed = np.ones((n, m), dtype=bool) if mask is None else mask.copy()
+    if causal:
+        allowed &= np.arange(m)[None, :] <= np.arange(n)[:, None] + (m - n)
+    return allowed
+
+
+@SETTINGS
+@given(problem=problems())
+def test_weights_are_a_distribution_or_zero(attnx_backend, problem):
+    q, k, v, mask, causal = problem
+    out, w = _run(attnx_backend, q, k, v, mask, causal)
+    allowed = _allowed(mask, causal, q.shape[-2], k.shape[-2])
+    assert (w >= 0).all() and not np.isnan(out).any()
+    sums = w.sum(-1)
+    has_keys = np.broadcast_to(allowed.any(-1), sums.shape)
+    np.testing.assert_allclose(sums[has_keys], 1.0, rtol=1e-12)
+    assert (sums[~has_keys] == 0).all() and (np.moveaxis(out, -1, 0)[:, ~has_keys] == 0).all()
+    assert (w[..., ~allowed] == 0).all(), "masked weights must be exactly zero"
+
+
+@SETTINGS
+@given(problem=problems(causal=st.just(True)), split=st.integers(0, 5))
+def test_causal_output_ignores_the_future(attnx_backend, problem, split):
+    q, k, v, _, _ = problem
+    n, m = q.shape[-2], k.shape[-2]
+    out, _ = _run(attnx_backend, q, k, v, None, True)
+    # Change keys and values after position split + (m - n): queries up to split must not move.
+    first_future = split + (m - n) + 1
+    if first_future >= m or split >= n:
+        return
+    k2, v2 = k.copy(), v.copy()
+    k2[..., first_future:, :] += 5.0
+    v2[..., first_future:, :] -= 3.0
+    out2, _ = _run(attnx_backend, q, k2, v2, None, True)
+    np.testing.assert_array_equal(out[..., : split + 1, :], out2[..., : split + 1, :])
+
+
+@SETTINGS
+@given(problem=problems(causal=st.just(False)), seed=st.integers(0, 1000))
+def test_self_attention_is_permutation_equivariant(attnx_backend, problem, seed):
+    x, _, _, _, _ = problem
+    perm = np.random.default_rng(seed).permutation(x.shape[-2])
+    out, _ = _run(attnx_backend, x, x, x, None, False)
+    out_perm, _ = _run(attnx_backend, x[..., perm, :], x[..., perm, :], x[..., perm, :], None, False)
+    np.testing.assert_allclose(out_perm, out[..., perm, :], rtol=1e-10, atol=1e-12)
+
+
+@SETTINGS
+@given(problem=problems(), shift=st.floats(-50, 50))
+def test_adding_a_constant_to_a_row_changes_nothing(attnx_backend, problem, shift):
+    q, k, v, mask, causal = problem
+    be = attnx_backend
+    n, m = q.shape[-2], k.shape[-2]
+    args = [be.array(a, "float64") for a in (q, k, v)]
+    base = np.zeros((n, m))
+    row_shift = base + shift * np.arange(1, n + 1)[:, None] / n
+    out0 = attnx.scaled_dot_product_attention(*args, mask=be.array(base), is_causal=causal)
+    out1 = attnx.scaled_dot_product_attention(*args, mask=be.array(row_shift), is_causal=causal)
+    np.testing.assert_allclose(be.numpy(out1), be.numpy(out0), rtol=1e-9, atol=1e-10)

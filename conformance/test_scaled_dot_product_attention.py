@@ -1,0 +1,149 @@
+"""scaled_dot_product_attention against the float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnx
+from attnx.attention import sdpa_generic
+from attnx_conformance import reference
+from attnx_conformance.helpers import assert_close, rng, rounded
+
+pytestmark = pytest.mark.attnx_operation("scaled_dot_product_attention")
+
+# (query leading, key/value leading, n, m, d_k, d_v)
+SHAPES = [
+    ((), (), 4, 4, 8, 8),
+    ((), (), 1, 1, 1, 1),
+    ((2,), (2,), 1, 6, 4, 3),
+    ((2,), (2,), 5, 1, 4, 3),
+    ((2, 3), (2, 3), 4, 7, 8, 5),
+    ((2, 4), (2, 1), 3, 5, 8, 8),  # one key/value head serving four query heads
+    ((3, 2, 2), (1, 2), 2, 3, 4, 2),
+]
+
+
+def make_inputs(be, dtype, q_lead, kv_lead, n, m, d_k, d_v, seed=0):
+    gen = rng(seed, n, m, d_k)
+    q = gen.standard_normal((*q_lead, n, d_k))
+    k = gen.standard_normal((*kv_lead, m, d_k))
+    v = gen.standard_normal((*kv_lead, m, d_v))
+    arrays = [be.array(a, dtype) for a in (q, k, v)]
+    return arrays, [rounded(a, be, dtype) for a in (q, k, v)]
+
+
+def dtypes_of(be):
+    return be.dtypes
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matches_reference_over_shapes_and_dtypes(attnx_backend, shape):
+    be = attnx_backend
+    for dtype in be.dtypes:
+        (q, k, v), (qr, kr, vr) = make_inputs(be, dtype, *shape)
+        out, weights = attnx.scaled_dot_product_attention(q, k, v, return_weights=True)
+        expected, expected_w = reference.scaled_dot_product_attention(qr, kr, vr)
+        assert_close(out, expected, be, dtype, like=q)
+        assert_close(weights, expected_w, be, dtype, like=q)
+        assert_close(attnx.scaled_dot_product_attention(q, k, v), expected, be, dtype)
+
+
+def _mask_cases(gen, batch, n, m):
+    """(name, kwargs builder from be, reference allowed/additive builder)."""
+    boolean = gen.random((*batch, n, m)) < 0.7
+    boolean[..., 0, :] = False  # a fully masked row
+    additive = np.where(gen.random((n, m)) < 0.3, -np.inf, gen.standard_normal((n, m)))
+    per_batch = np.array([m, 2])[: batch[0]]
+    per_query = gen.integers(0, m + 1, size=(*batch, n))
+    return {
+        "boolean": (dict(mask=boolean), dict(mask=boolean)),
+        "additive": (dict(mask=additive), dict(additive=additive)),
+        "causal": (dict(is_causal=True), dict(is_causal=True)),
+        "lengths_per_batch": (dict(key_lengths=per_batch), dict(key_lengths=per_batch, lengths_per="batch")),
+        "lengths_per_query": (dict(key_lengths=per_query), dict(key_lengths=per_query, lengths_per="query")),
+        "causal_lengths_boolean": (
+            dict(is_causal=True, key_lengths=per_batch, mask=boolean),
+            dict(is_causal=True, key_lengths=per_batch, lengths_per="batch", mask=boolean),
+        ),
+        "all_masked": (dict(mask=np.zeros((n, m), dtype=bool)), dict(mask=np.zeros((n, m), dtype=bool))),
+        "causal_additive": (dict(is_causal=True, mask=additive), dict(is_causal=True, additive=additive)),
+    }
+
+
+CASES = list(_mask_cases(rng(1), (2, 3), 4, 6))
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("n, m", [(4, 6), (6, 4), (5, 5)])
+def test_masks_match_reference(attnx_backend, case, n, m):
+    be = attnx_backend
+    batch = (2, 3)
+    kwargs, ref_kwargs = _mask_cases(rng(1), batch, n, m)[case]
+    for dtype in ("float32", "float64"):
+        (q, k, v), (qr, kr, vr) = make_inputs(be, dtype, batch, batch, n, m, 8, 4)
+        call = {}
+        for name, value in kwargs.items():
+            if isinstance(value, np.ndarray):
+                value = be.array(value, dtype if value.dtype.kind == "f" else None)
+            call[name] = value
+        out, weights = attnx.scaled_dot_product_attention(q, k, v, return_weights=True, **call)
+        additive = ref_kwargs.pop("additive", None)
+        allowed = reference.allowed_mask(n, m, batch_shape=batch, **ref_kwargs)
+        ref_kwargs["additive"] = additive
+        if additive is not None:
+            additive = rounded(additive, be, dtype)
+        expected, expected_w = reference.scaled_dot_product_attention(qr, kr, vr, allowed=allowed, additive=additive)
+        assert_close(weights, expected_w, be, dtype)
+        assert_close(out, expected, be, dtype)
+        assert_close(attnx.scaled_dot_product_attention(q, k, v, **call), expected, be, dtype)
+
+
+def test_fully_masked_rows_give_zeros(attnx_backend):
+    be = attnx_backend
+    (q, k, v), _ = make_inputs(be, "float32", (2,), (2,), 3, 4, 4, 4)
+    lengths = be.array(np.array([0, 2]))
+    out, weights = attnx.scaled_dot_product_attention(q, k, v, key_lengths=lengths, return_weights=True)
+    out, weights = be.numpy(out), be.numpy(weights)
+    assert np.all(out[0] == 0) and np.all(weights[0] == 0)
+    assert np.allclose(weights[1].sum(-1), 1) and np.all(weights[1][:, 2:] == 0)
+
+
+def test_scale_argument(attnx_backend):
+    be = attnx_backend
+    (q, k, v), (qr, kr, vr) = make_inputs(be, "float64", (2,), (2,), 3, 5, 4, 2)
+    out = attnx.scaled_dot_product_attention(q, k, v, scale=0.3)
+    expected, _ = reference.scaled_dot_product_attention(qr, kr, vr, scale=0.3)
+    assert_close(out, expected, be, "float64")
+
+
+def test_stable_with_large_scores(attnx_backend):
+    be = attnx_backend
+    gen = rng(7)
+    q = gen.standard_normal((2, 3, 4)) * 100
+    k = gen.standard_normal((2, 5, 4)) * 100
+    v = gen.standard_normal((2, 5, 3))
+    args = [be.array(a, "float32") for a in (q, k, v)]
+    out, weights = attnx.scaled_dot_product_attention(*args, scale=1.0, return_weights=True)
+    qr, kr, vr = (rounded(a, be, "float32") for a in (q, k, v))
+    assert np.abs(qr @ kr.swapaxes(-1, -2)).max() > 1e3  # scores of magnitude ~1e4
+    expected, expected_w = reference.scaled_dot_product_attention(qr, kr, vr, scale=1.0)
+    # near-one-hot rows: compare with an absolute tolerance
+    np.testing.assert_allclose(be.numpy(weights), expected_w, atol=1e-3)
+    np.testing.assert_allclose(be.numpy(out), expected, atol=1e-2)
+    assert np.isfinite(be.numpy(out)).all()
+
+
+def test_native_override_equals_generic(attnx_backend):
+    be = attnx_backend
+    if "scaled_dot_product_attention" not in be.backend.implementations():
+        pytest.skip(f"{be.name} has no native scaled_dot_product_attention")
+    (q, k, v), _ = make_inputs(be, "float64", (2, 4), (2, 1), 5, 7, 8, 3)
+    lengths = be.array(np.array([7, 3]))
+    for kwargs in ({}, {"is_causal": True}, {"key_lengths": lengths, "is_causal": True}):
+        native = attnx.scaled_dot_product_attention(q, k, v, scale=0.5, **kwargs)
+        generic = sdpa_generic(
+            be.xp, query=q, key=k, value=v, mask=None, key_lengths=kwargs.get("key_lengths"),
+            is_causal=kwargs.get("is_causal", False), scale=0.5, return_weights=False,
+        )
+        assert_close(native, be.numpy(generic), be, "float64")

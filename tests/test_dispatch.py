@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+import attnx
+
+QKV = [np.ones((2, 3, 4), dtype=np.float32)] * 3
+
+
+def test_backend_is_inferred_from_inputs_and_logged(caplog):
+    with caplog.at_level(logging.DEBUG, logger="attnx"):
+        attnx.scaled_dot_product_attention(*QKV)
+    assert caplog.messages == ["scaled_dot_product_attention: backend 'numpy' (owns query), generic"]
+
+
+def test_explicit_backend_native_and_declined(loopback, caplog):
+    with caplog.at_level(logging.DEBUG, logger="attnx"):
+        attnx.scaled_dot_product_attention(*QKV, backend="loopback")
+        attnx.scaled_dot_product_attention(*QKV, backend="loopback", return_weights=True)
+    assert len(loopback.calls) == 2
+    assert caplog.messages == [
+        "scaled_dot_product_attention: backend 'loopback' (backend= argument), native",
+        "scaled_dot_product_attention: backend 'loopback' (backend= argument), generic, native declined",
+    ]
+    assert isinstance(loopback.calls[0]["scale"], float)
+
+
+def test_use_backend_is_context_local():
+    seen = {}
+
+    def worker():
+        seen["thread"] = attnx.get_backend()
+
+    with attnx.use_backend("torch"):
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        seen["inside"] = attnx.get_backend()
+
+        async def task():
+            return attnx.get_backend()
+
+        seen["task"] = asyncio.run(task())
+    assert seen == {"inside": "torch", "thread": "numpy", "task": "torch"}
+    assert attnx.get_backend() == "numpy"
+
+
+def test_current_backend_order(monkeypatch):
+    monkeypatch.setenv("ATTNX_BACKEND", "torch")
+    assert attnx.get_backend() == "torch"
+    attnx.set_backend("numpy")
+    try:
+        assert attnx.get_backend() == "numpy"
+        with attnx.use_backend("torch"):
+            assert type(attnx.masks.causal(2)).__module__ == "torch"
+    finally:
+        attnx.set_backend(None)
+    monkeypatch.setenv("ATTNX_BACKEND", "nope")
+    with pytest.raises(ValueError, match="ATTNX_BACKEND"):
+        attnx.masks.causal(2)
+
+
+def test_unavailable_backend_raises_on_use_with_reason():
+    if next(i for i in attnx.list_backends() if i.name == "cupy").available:
+        pytest.skip("cupy is available here")
+    with pytest.raises(attnx.BackendUnavailableError, match="cupy.*unavailable"):
+        attnx.scaled_dot_product_attention(*QKV, backend="cupy")
+
+
+def test_non_arrays_are_rejected_with_a_conversion_hint():
+    with pytest.raises(TypeError, match=r"query must be an array.*got builtins.list.*attnx.asarray"):
+        attnx.scaled_dot_product_attention([[1.0]], QKV[1], QKV[2])
+
+
+def test_asarray_and_to_numpy_round_trip():
+    torch = pytest.importorskip("torch")
+    x = attnx.asarray(np.arange(3.0), backend="torch", dtype="float32")
+    assert isinstance(x, torch.Tensor) and x.dtype == torch.float32
+    np.testing.assert_array_equal(attnx.to_numpy(x), [0.0, 1.0, 2.0])
+    y = attnx.asarray(x, backend="numpy")
+    assert isinstance(y, np.ndarray)
