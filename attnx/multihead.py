@@ -1,0 +1,306 @@
+"""Multi-head attention: functional, parameter initialisation, and a module."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from attnx import _checks, _dispatch, _masking, _params
+from attnx.attention import scaled_dot_product_attention
+
+__all__ = ["MultiHeadAttention", "init_multi_head_params", "multi_head_attention"]
+
+_MHA = "multi_head_attention"
+_WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
+_BIASES = ("b_q", "b_k", "b_v", "b_o")
+
+
+def multi_head_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    params: Mapping[str, Any],
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+    is_causal: bool = False,
+    return_weights: bool = False,
+    average_weights: bool = True,
+    backend: str | None = None,
+) -> Any:
+    """Multi-head attention (Vaswani et al. 2017), with grouped-query heads.
+
+    Each head ``i`` computes scaled dot-product attention of the projected
+    ``query @ w_q`` against ``key @ w_k`` and ``value @ w_v``; the heads are
+    concatenated and projected by ``w_o``.
+
+    Parameters
+    ----------
+    query : array, shape (..., n, d_query)
+    key : array, shape (..., m, d_key)
+    value : array, shape (..., m, d_value)
+        Self-attention passes the same array three times; cross-attention
+        passes the encoder's states as ``key`` and ``value``.
+    params : mapping of str to array
+        ``w_q (d_query, h*d_k)``, ``w_k (d_key, h_kv*d_k)``,
+        ``w_v (d_value, h_kv*d_v)``, ``w_o (h*d_v, d_model)`` and optional
+        biases ``b_q (h*d_k,)``, ``b_k``, ``b_v``, ``b_o (d_model,)``.  Without
+        ``w_o`` there is no output projection and the concatenated heads
+        ``(..., n, h*d_v)`` are returned: with ``num_heads=1`` that is the
+        single-head self-attention with query/key/value projections.
+    num_heads : int
+        ``h``, the number of query heads; ``d_k`` and ``d_v`` are read off the
+        weights' widths.
+    num_kv_heads : int, optional
+        ``h_kv``, dividing ``h``: grouped-query (``1``: multi-query)
+        attention.  Query head ``i`` uses key/value head ``i // (h // h_kv)``,
+        as PyTorch's ``enable_gqa``.  Defaults to ``h``.
+    mask : array, optional
+        Broadcastable to ``(..., n, m)``, or per head ``(..., h, n, m)`` (with
+        every leading dimension written out).  Boolean ``True`` = attend, or
+        additive, as in :func:`attnx.scaled_dot_product_attention`.
+    key_lengths, is_causal :
+        As in :func:`attnx.scaled_dot_product_attention`.
+    return_weights : bool
+        Also return the attention weights.
+    average_weights : bool
+        Weights averaged over heads ``(..., n, m)``, or per head
+        ``(..., h, n, m)`` when False.
+
+    Returns
+    -------
+    output : array, shape (..., n, d_model)
+    weights : array, shape (..., n, m) or (..., h, n, m)
+        Only with ``return_weights=True``.
+    """
+    arrays = (query, key, value, mask, key_lengths, *(params.get(p) for p in _WEIGHTS + _BIASES)) if isinstance(params, Mapping) else (query,)
+    names = ("query", "key", "value", "mask", "key_lengths", *(f"params[{p!r}]" for p in _WEIGHTS + _BIASES))
+    chosen, reason = _dispatch.resolve(_MHA, backend, names, arrays)
+    xp = chosen.xp
+    layout = check_multi_head(xp, query, key, value, params, num_heads, num_kv_heads)
+    batch_shape = _checks.broadcast(_MHA, {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
+    n, m = query.shape[-2], key.shape[-2]
+    per_head = mask is not None and mask.ndim == len(batch_shape) + 3
+    if mask is not None:
+        if per_head:
+            _masking.check_mask(_MHA, xp, mask, (*batch_shape, num_heads), n, m)
+        else:
+            _masking.check_mask(_MHA, xp, mask, batch_shape, n, m)
+    if key_lengths is not None:
+        _masking.check_lengths(_MHA, xp, key_lengths, batch_shape, n, m)
+    return _dispatch.call(
+        _MHA,
+        chosen,
+        reason,
+        _multi_head_generic,
+        {
+            "query": query, "key": key, "value": value, "params": params, "layout": layout,
+            "mask": mask, "mask_per_head": per_head, "key_lengths": key_lengths, "is_causal": bool(is_causal),
+            "return_weights": return_weights, "average_weights": average_weights,
+        },
+    )
+
+
+def check_multi_head(
+    xp: Any, query: Any, key: Any, value: Any, params: Mapping[str, Any], num_heads: int, num_kv_heads: int | None
+) -> dict[str, int]:
+    """Validate inputs and params; returns the sizes ``h, h_kv, d_k, d_v``."""
+    h = _checks.require_positive_int(_MHA, "num_heads", num_heads)
+    h_kv = h if num_kv_heads is None else _checks.require_positive_int(_MHA, "num_kv_heads", num_kv_heads)
+    if h % h_kv:
+        raise ValueError(f"{_MHA}: num_kv_heads must divide num_heads = {h}, got {h_kv}")
+    for name, array, layout in (("query", query, "(..., n, d_query)"), ("key", key, "(..., m, d_key)"), ("value", value, "(..., m, d_value)")):
+        _checks.require_ndim(_MHA, name, array, 2, layout)
+        _checks.require_float(_MHA, xp, name, array)
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"{_MHA}: value must have m = {key.shape[-2]} positions (from key), got shape {_checks.shape_of(value)}")
+    _params.require_mapping(_MHA, params, required=("w_q", "w_k", "w_v"), optional=("w_o", *_BIASES))
+    w_q = _params.matrix(_MHA, xp, params, "w_q", rows=query.shape[-1], rows_name="d_query", dtype=query.dtype)
+    if w_q.shape[1] % h:
+        raise ValueError(f"{_MHA}: params['w_q'] must have h*d_k columns with h = {h}, got shape {_checks.shape_of(w_q)}")
+    d_k = w_q.shape[1] // h
+    _params.matrix(_MHA, xp, params, "w_k", rows=key.shape[-1], rows_name="d_key", cols=h_kv * d_k, cols_name=f"h_kv*d_k = {h_kv}*{d_k}", dtype=query.dtype)
+    w_v = _params.matrix(_MHA, xp, params, "w_v", rows=value.shape[-1], rows_name="d_value", dtype=query.dtype)
+    if w_v.shape[1] % h_kv:
+        raise ValueError(f"{_MHA}: params['w_v'] must have h_kv*d_v columns with h_kv = {h_kv}, got shape {_checks.shape_of(w_v)}")
+    d_v = w_v.shape[1] // h_kv
+    d_out = h * d_v
+    if params.get("w_o") is not None:
+        d_out = _params.matrix(_MHA, xp, params, "w_o", rows=h * d_v, rows_name=f"h*d_v = {h}*{d_v}", dtype=query.dtype).shape[1]
+    for bias, size in (("b_q", h * d_k), ("b_k", h_kv * d_k), ("b_v", h_kv * d_v), ("b_o", d_out)):
+        if bias == "b_o" and params.get("w_o") is None and params.get("b_o") is not None:
+            raise ValueError(f"{_MHA}: params['b_o'] needs params['w_o']")
+        _params.vector(_MHA, xp, params, bias, size=size, dtype=query.dtype)
+    return {"h": h, "h_kv": h_kv, "d_k": d_k, "d_v": d_v}
+
+
+def _project(x: Any, params: Mapping[str, Any], weight: str, bias: str) -> Any:
+    y = x @ params[weight]
+    b = params.get(bias)
+    return y if b is None else y + b
+
+
+def _split_heads(xp: Any, x: Any, heads: int) -> Any:
+    """(..., n, heads*d) -> (..., heads, 1, n, d): the 1 broadcasts over query groups."""
+    *lead, n, width = x.shape
+    x = xp.reshape(x, (*lead, n, heads, 1, width // heads))
+    axes = tuple(range(len(lead)))
+    return xp.permute_dims(x, (*axes, len(lead) + 1, len(lead) + 2, len(lead), len(lead) + 3))
+
+
+def _multi_head_generic(
+    xp: Any, *, query: Any, key: Any, value: Any, params: Mapping[str, Any], layout: dict[str, int],
+    mask: Any, mask_per_head: bool, key_lengths: Any, is_causal: bool, return_weights: bool, average_weights: bool,
+) -> Any:
+    h, h_kv, d_v = layout["h"], layout["h_kv"], layout["d_v"]
+    groups = h // h_kv
+    n, m = query.shape[-2], key.shape[-2]
+    # Query heads as (h_kv, groups): query head i = kv * groups + g uses key/value head kv.
+    q = _split_heads(xp, _project(query, params, "w_q", "b_q"), h)
+    q = xp.reshape(q, (*q.shape[:-4], h_kv, groups, n, q.shape[-1]))
+    k = _split_heads(xp, _project(key, params, "w_k", "b_k"), h_kv)
+    v = _split_heads(xp, _project(value, params, "w_v", "b_v"), h_kv)
+    batch_shape = _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
+    if key_lengths is not None:
+        padding = _masking.lengths_mask(xp, key_lengths, batch_shape, n, m)
+        if mask is None or mask.dtype == xp.bool:
+            mask = padding if mask is None else _heads_axis(xp, padding, mask_per_head) & mask
+        else:
+            mask = _masking.as_additive(xp, _heads_axis(xp, padding, mask_per_head), mask, mask.dtype)
+    if mask is not None:
+        if mask_per_head:
+            shape = mask.shape
+            mask = xp.reshape(mask, (*shape[:-3], h_kv, groups, n, m)) if shape[-3] == h else mask[..., None, :, :]
+        else:
+            mask = mask[..., None, None, :, :]
+    result = scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, return_weights=return_weights)
+    heads, weights = result if return_weights else (result, None)
+    lead = heads.shape[:-4]
+    heads = xp.reshape(heads, (*lead, h, n, d_v))
+    axes = tuple(range(len(lead)))
+    concat = xp.reshape(xp.permute_dims(heads, (*axes, len(lead) + 1, len(lead), len(lead) + 2)), (*lead, n, h * d_v))
+    output = _project(concat, params, "w_o", "b_o") if params.get("w_o") is not None else concat
+    if not return_weights:
+        return output
+    weights = xp.reshape(weights, (*lead, h, n, m))
+    return output, (xp.mean(weights, axis=-3) if average_weights else weights)
+
+
+def _heads_axis(xp: Any, padding: Any, per_head: bool) -> Any:
+    return padding[..., None, :, :] if per_head else padding
+
+
+def init_multi_head_params(
+    d_model: int,
+    num_heads: int,
+    *,
+    d_k: int | None = None,
+    d_v: int | None = None,
+    d_query: int | None = None,
+    d_key: int | None = None,
+    d_value: int | None = None,
+    num_kv_heads: int | None = None,
+    bias: bool = True,
+    seed: int = 0,
+    dtype: Any = None,
+    backend: str | None = None,
+    device: Any = None,
+) -> dict[str, Any]:
+    """Parameters for :func:`multi_head_attention`, Xavier-uniform like PyTorch.
+
+    The numbers are drawn once, in float64 with NumPy's generator seeded by
+    ``seed``, then converted: the same seed gives the same parameters on
+    every backend.  Biases start at zero.
+
+    Parameters
+    ----------
+    d_model : int
+        Output width (and the default of ``d_query``, ``d_key``, ``d_value``).
+    num_heads : int
+    d_k, d_v : int, optional
+        Per-head widths; ``d_model // num_heads`` by default.
+    d_query, d_key, d_value : int, optional
+        Input widths, for cross-attention between different widths.
+    num_kv_heads : int, optional
+        Grouped-query attention (see :func:`multi_head_attention`).
+    dtype : str or dtype, optional
+        ``"float32"`` by default.
+
+    Returns
+    -------
+    dict of str to array
+        ``w_q, w_k, w_v, w_o`` and, with ``bias=True``, ``b_q, b_k, b_v, b_o``.
+    """
+    op = "init_multi_head_params"
+    d_model = _checks.require_positive_int(op, "d_model", d_model)
+    h = _checks.require_positive_int(op, "num_heads", num_heads)
+    h_kv = h if num_kv_heads is None else _checks.require_positive_int(op, "num_kv_heads", num_kv_heads)
+    if h % h_kv:
+        raise ValueError(f"{op}: num_kv_heads must divide num_heads = {h}, got {h_kv}")
+    if d_k is None and d_model % h:
+        raise ValueError(f"{op}: num_heads = {h} must divide d_model = {d_model}, or pass d_k and d_v")
+    d_k = d_model // h if d_k is None else _checks.require_positive_int(op, "d_k", d_k)
+    d_v = d_k if d_v is None else _checks.require_positive_int(op, "d_v", d_v)
+    d_query = d_model if d_query is None else _checks.require_positive_int(op, "d_query", d_query)
+    d_key = d_model if d_key is None else _checks.require_positive_int(op, "d_key", d_key)
+    d_value = d_key if d_value is None else _checks.require_positive_int(op, "d_value", d_value)
+    shapes = {"w_q": (d_query, h * d_k), "w_k": (d_key, h_kv * d_k), "w_v": (d_value, h_kv * d_v), "w_o": (h * d_v, d_model)}
+    biases = {"b_q": h * d_k, "b_k": h_kv * d_k, "b_v": h_kv * d_v, "b_o": d_model} if bias else {}
+    return _params.create(op, backend, seed, dtype, device, xavier=shapes, zeros=biases)
+
+
+class MultiHeadAttention:
+    """Multi-head attention holding its parameters.
+
+    ``MultiHeadAttention(d_model, num_heads, ...)`` takes the arguments of
+    :func:`init_multi_head_params`; ``module(query, key=None, value=None,
+    **kwargs)`` calls :func:`multi_head_attention` (``key`` and ``value``
+    default to ``query``: self-attention).
+
+    Attributes
+    ----------
+    params : dict of str to array
+    num_heads, num_kv_heads : int
+
+    Examples
+    --------
+    Load a ``torch.nn.MultiheadAttention`` and get its outputs (its masks are
+    the inverse of attnx's: ``True`` there means *ignore*)::
+
+        torch_mha = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+        mha = attnx.MultiHeadAttention.from_torch(torch_mha)
+        mha(x)  # == torch_mha(x, x, x, need_weights=False)[0]
+    """
+
+    def __init__(self, d_model: int, num_heads: int, *, params: Mapping[str, Any] | None = None, **init: Any) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = init.get("num_kv_heads") or num_heads
+        self.params = dict(params) if params is not None else init_multi_head_params(d_model, num_heads, **init)
+
+    @classmethod
+    def from_torch(cls, module: Any) -> MultiHeadAttention:
+        """Copy a ``torch.nn.MultiheadAttention``'s weights (as torch tensors,
+        sharing storage, so gradients reach the module's parameters)."""
+        e = module.embed_dim
+        if module.in_proj_weight is not None:
+            w_q, w_k, w_v = (w.T for w in module.in_proj_weight.split(e, dim=0))
+        else:
+            w_q, w_k, w_v = (module.q_proj_weight.T, module.k_proj_weight.T, module.v_proj_weight.T)
+        params = {"w_q": w_q, "w_k": w_k, "w_v": w_v, "w_o": module.out_proj.weight.T}
+        if module.in_proj_bias is not None:
+            params.update(zip(("b_q", "b_k", "b_v"), module.in_proj_bias.split(e, dim=0)))
+        if module.out_proj.bias is not None:
+            params["b_o"] = module.out_proj.bias
+        return cls(e, module.num_heads, params=params)
+
+    def __call__(self, query: Any, key: Any = None, value: Any = None, **kwargs: Any) -> Any:
+        key = query if key is None else key
+        value = key if value is None else value
+        kwargs.setdefault("num_kv_heads", self.num_kv_heads)
+        return multi_head_attention(query, key, value, self.params, num_heads=self.num_heads, **kwargs)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}={tuple(v.shape)}" for k, v in self.params.items())
+        return f"MultiHeadAttention(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, {shapes})"
