@@ -7,7 +7,12 @@ registers through the ``attnx.backends`` entry-point group.
 from attnx import masks
 from attnx._config import get_backend, set_backend, use_backend
 from attnx._registry import BackendInfo, registry as _registry
+from attnx.additive import additive_attention, bahdanau_context
 from attnx.attention import masked_softmax, scaled_dot_product_attention
+from attnx.convolution import causal_conv1d, receptive_field
+from attnx.kernel_regression import nadaraya_watson
+from attnx.multihead import MultiHeadAttention, init_multi_head_params, multi_head_attention
+from attnx.positional import LearnedPositions, apply_rotary, sinusoidal_positions
 from attnx.backend import Backend
 from attnx.conversion import asarray, list_backends, to_numpy
 from attnx.errors import BackendUnavailableError, PluginError, PluginWarning
@@ -21,6 +26,17 @@ register_plugin = _registry.register_plugin
 unregister_plugin = _registry.unregister_plugin
 
 __all__ = [
+    "LearnedPositions",
+    "MultiHeadAttention",
+    "additive_attention",
+    "apply_rotary",
+    "bahdanau_context",
+    "causal_conv1d",
+    "init_multi_head_params",
+    "multi_head_attention",
+    "nadaraya_watson",
+    "receptive_field",
+    "sinusoidal_positions",
     "Backend",
     "BackendInfo",
     "BackendUnavailableError",

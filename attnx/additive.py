@@ -1,0 +1,152 @@
+"""Additive (Bahdanau) attention and the seq2seq context vector."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from attnx import _checks, _dispatch, _masking, _params
+
+__all__ = ["additive_attention", "bahdanau_context"]
+
+_ADD = "additive_attention"
+#: Elements of the (..., chunk, m, h) tanh intermediate held at once.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def additive_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    params: Mapping[str, Any],
+    *,
+    mask: Any = None,
+    key_lengths: Any = None,
+    return_weights: bool = False,
+    backend: str | None = None,
+) -> Any:
+    r"""Additive attention (Bahdanau et al. 2015).
+
+    Scores :math:`a(q, k) = \tanh(q W_q + k W_k)\, w_v`, then a masked
+    softmax over the keys and a weighted sum of the values.
+
+    Parameters
+    ----------
+    query : array, shape (..., n, d_query)
+    key : array, shape (..., m, d_key)
+    value : array, shape (..., m, d_v)
+    params : mapping
+        ``w_q (d_query, h)``, ``w_k (d_key, h)``, ``w_v (h,)``: query and key
+        widths may differ.
+    mask, key_lengths :
+        As in :func:`attnx.scaled_dot_product_attention`.
+    return_weights : bool
+
+    Returns
+    -------
+    output : array, shape (..., n, d_v)
+    weights : array, shape (..., n, m), only with ``return_weights=True``
+
+    Notes
+    -----
+    The ``(..., n, m, h)`` intermediate is never held whole: queries are
+    processed in chunks of at most :data:`CHUNK_ELEMENTS` elements.
+    """
+    names = ("query", "key", "value", "mask", "key_lengths", "params['w_q']", "params['w_k']", "params['w_v']")
+    getter = params.get if isinstance(params, Mapping) else (lambda name: None)
+    chosen, reason = _dispatch.resolve(_ADD, backend, names, (query, key, value, mask, key_lengths, getter("w_q"), getter("w_k"), getter("w_v")))
+    xp = chosen.xp
+    check_additive(xp, query, key, value, params, mask, key_lengths)
+    return _dispatch.call(
+        _ADD, chosen, reason, _additive_generic,
+        {"query": query, "key": key, "value": value, "params": params, "mask": mask, "key_lengths": key_lengths, "return_weights": return_weights},
+    )
+
+
+def check_additive(xp: Any, query: Any, key: Any, value: Any, params: Any, mask: Any, key_lengths: Any) -> None:
+    for name, array, layout in (("query", query, "(..., n, d_query)"), ("key", key, "(..., m, d_key)"), ("value", value, "(..., m, d_v)")):
+        _checks.require_ndim(_ADD, name, array, 2, layout)
+        _checks.require_float(_ADD, xp, name, array)
+    _checks.require_same_dtype(_ADD, ("query", "key", "value"), (query, key, value))
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"{_ADD}: value must have m = {key.shape[-2]} positions (from key), got shape {_checks.shape_of(value)}")
+    _params.require_mapping(_ADD, params, required=("w_q", "w_k", "w_v"), optional=())
+    w_q = _params.matrix(_ADD, xp, params, "w_q", rows=query.shape[-1], rows_name="d_query", dtype=query.dtype)
+    hidden = w_q.shape[1]
+    _params.matrix(_ADD, xp, params, "w_k", rows=key.shape[-1], rows_name="d_key", cols=hidden, cols_name="h", dtype=query.dtype)
+    _params.vector(_ADD, xp, params, "w_v", size=hidden, dtype=query.dtype)
+    batch_shape = _checks.broadcast(_ADD, {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
+    n, m = query.shape[-2], key.shape[-2]
+    if mask is not None:
+        _masking.check_mask(_ADD, xp, mask, batch_shape, n, m)
+    if key_lengths is not None:
+        _masking.check_lengths(_ADD, xp, key_lengths, batch_shape, n, m)
+
+
+def additive_scores(xp: Any, query: Any, key: Any, params: Mapping[str, Any]) -> Any:
+    """``tanh(q W_q + k W_k) w_v`` as ``(..., n, m)``, in query chunks."""
+    q = query @ params["w_q"]  # (..., n, h)
+    k = key @ params["w_k"]  # (..., m, h)
+    n, m, hidden = q.shape[-2], k.shape[-2], q.shape[-1]
+    w_v = params["w_v"]
+    step = max(1, CHUNK_ELEMENTS // max(1, m * hidden))
+    k = k[..., None, :, :]
+    chunks = [
+        xp.sum(xp.tanh(q[..., start : start + step, None, :] + k) * w_v, axis=-1)
+        for start in range(0, n, step)
+    ]
+    return chunks[0] if len(chunks) == 1 else xp.concat(chunks, axis=-2)
+
+
+def _additive_generic(
+    xp: Any, *, query: Any, key: Any, value: Any, params: Mapping[str, Any], mask: Any, key_lengths: Any, return_weights: bool
+) -> Any:
+    scores = additive_scores(xp, query, key, params)
+    batch_shape = _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
+    allowed, additive = _masking.combine(
+        xp, mask=mask, key_lengths=key_lengths, is_causal=False, batch_shape=batch_shape,
+        n=query.shape[-2], m=key.shape[-2], dtype=scores.dtype, device=_checks.device_of(query),
+    )
+    weights = _masking.softmax(xp, scores, allowed, additive)
+    output = weights @ value
+    return (output, weights) if return_weights else output
+
+
+def bahdanau_context(
+    decoder_state: Any,
+    annotations: Any,
+    params: Mapping[str, Any],
+    *,
+    key_lengths: Any = None,
+    return_weights: bool = False,
+    backend: str | None = None,
+) -> Any:
+    r"""One decoder step of Bahdanau attention: the context vector.
+
+    :math:`C_t = \sum_i \alpha_{t,i} h_i` with
+    :math:`\alpha_{t,i} = \mathrm{softmax}_i(a(s_{t-1}, h_i))` and ``a`` the
+    additive score of :func:`additive_attention`.
+
+    Parameters
+    ----------
+    decoder_state : array, shape (..., d_s)
+        The previous decoder state :math:`s_{t-1}`.
+    annotations : array, shape (..., T, d_h)
+        The encoder states :math:`h_i`, serving as keys and values.
+    params : mapping
+        ``w_q (d_s, h)``, ``w_k (d_h, h)``, ``w_v (h,)``.
+    key_lengths : integer array, shape (...), optional
+        Valid annotations per sequence (padding).
+
+    Returns
+    -------
+    context : array, shape (..., d_h)
+    weights : array, shape (..., T), only with ``return_weights=True``
+    """
+    if getattr(decoder_state, "ndim", 1) < 1:
+        raise ValueError(f"bahdanau_context: decoder_state must have shape (..., d_s), got {_checks.shape_of(decoder_state)}")
+    query = decoder_state[..., None, :]
+    result = additive_attention(query, annotations, annotations, params, key_lengths=key_lengths, return_weights=return_weights, backend=backend)
+    if return_weights:
+        return result[0][..., 0, :], result[1][..., 0, :]
+    return result[..., 0, :]

@@ -1,0 +1,98 @@
+"""Dilated causal 1-D convolution (WaveNet) and its receptive field."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from attnx import _checks, _dispatch
+
+__all__ = ["causal_conv1d", "receptive_field"]
+
+_CONV = "causal_conv1d"
+
+
+def causal_conv1d(
+    x: Any, weight: Any, bias: Any = None, *, stride: int = 1, dilation: int = 1, backend: str | None = None
+) -> Any:
+    """Dilated causal 1-D convolution (cross-correlation, as PyTorch's).
+
+    The input is left-padded with ``(kernel_size - 1) * dilation`` zeros, so
+    output ``t`` sees only inputs up to ``t * stride``.  Equals
+    ``torch.nn.functional.conv1d`` on the left-padded input.
+
+    Parameters
+    ----------
+    x : array, shape (..., c_in, length)
+    weight : array, shape (c_out, c_in, kernel_size)
+        PyTorch's layout.
+    bias : array, shape (c_out,), optional
+    stride, dilation : int
+
+    Returns
+    -------
+    array, shape (..., c_out, ceil(length / stride))
+    """
+    chosen, reason = _dispatch.resolve(_CONV, backend, ("x", "weight", "bias"), (x, weight, bias))
+    xp = chosen.xp
+    _checks.require_ndim(_CONV, "x", x, 2, "(..., c_in, length)")
+    if weight.ndim != 3:
+        raise ValueError(f"{_CONV}: weight must have shape (c_out, c_in, kernel_size), got {_checks.shape_of(weight)}")
+    names = ("x", "weight") + (("bias",) if bias is not None else ())
+    arrays = (x, weight) + ((bias,) if bias is not None else ())
+    for name, array in zip(names, arrays):
+        _checks.require_float(_CONV, xp, name, array)
+    _checks.require_same_dtype(_CONV, names, arrays)
+    c_out, c_in, _ = weight.shape
+    if x.shape[-2] != c_in:
+        raise ValueError(f"{_CONV}: x must have shape (..., c_in, length) with c_in = {c_in} (from weight), got {_checks.shape_of(x)}")
+    if bias is not None and _checks.shape_of(bias) != (c_out,):
+        raise ValueError(f"{_CONV}: bias must have shape (c_out,) = ({c_out},), got {_checks.shape_of(bias)}")
+    stride = _checks.require_positive_int(_CONV, "stride", stride)
+    dilation = _checks.require_positive_int(_CONV, "dilation", dilation)
+    return _dispatch.call(
+        _CONV, chosen, reason, _causal_conv1d_generic, {"x": x, "weight": weight, "bias": bias, "stride": stride, "dilation": dilation}
+    )
+
+
+def _causal_conv1d_generic(xp: Any, *, x: Any, weight: Any, bias: Any, stride: int, dilation: int) -> Any:
+    kernel_size = weight.shape[-1]
+    length = x.shape[-1]
+    pad = (kernel_size - 1) * dilation
+    if pad:
+        zeros = xp.zeros((*x.shape[:-1], pad), dtype=x.dtype, device=_checks.device_of(x))
+        x = xp.concat([zeros, x], axis=-1)
+    out_length = -(-length // stride)
+    span = stride * (out_length - 1) + 1
+    output = None
+    # One matrix product per tap: (c_out, c_in) @ (..., c_in, out_length).
+    for tap in range(kernel_size):
+        start = tap * dilation
+        term = weight[:, :, tap] @ x[..., start : start + span : stride]
+        output = term if output is None else output + term
+    if bias is not None:
+        output = output + bias[:, None]
+    return output
+
+
+def receptive_field(kernel_size: int | Sequence[int], dilations: Sequence[int]) -> int:
+    """Receptive field of a stack of dilated causal convolutions.
+
+    ``1 + sum_l (kernel_size_l - 1) * dilation_l``: how many consecutive
+    inputs one output depends on.
+
+    Examples
+    --------
+    >>> receptive_field(2, [1, 2, 4, 8])  # WaveNet's doubling dilations
+    16
+    """
+    op = "receptive_field"
+    dilations = [_checks.require_positive_int(op, "dilations[]", d) for d in dilations]
+    if isinstance(kernel_size, int):
+        sizes = [kernel_size] * len(dilations)
+    else:
+        sizes = list(kernel_size)
+        if len(sizes) != len(dilations):
+            raise ValueError(f"{op}: kernel_size must be an int or one per layer ({len(dilations)}), got {len(sizes)}")
+    sizes = [_checks.require_positive_int(op, "kernel_size", k) for k in sizes]
+    return 1 + sum((k - 1) * d for k, d in zip(sizes, dilations))

@@ -1,0 +1,121 @@
+"""Nadaraya-Watson kernel regression: attention with a fixed kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from attnx import _checks, _dispatch, _masking
+
+__all__ = ["KERNELS", "nadaraya_watson"]
+
+_NW = "nadaraya_watson"
+
+
+def _gaussian_log(xp: Any, u: Any) -> Any:
+    return -0.5 * u * u
+
+
+def _boxcar(xp: Any, u: Any) -> Any:
+    return xp.astype(xp.abs(u) <= 1.0, u.dtype)
+
+
+def _epanechnikov(xp: Any, u: Any) -> Any:
+    return xp.clip(0.75 * (1.0 - u * u), min=0.0)
+
+
+#: The named kernels, as functions of the scaled distance ``u``.  The
+#: gaussian is given as its logarithm: its weights are a softmax, which
+#: stays finite for queries far from every key.
+KERNELS: dict[str, Callable[[Any, Any], Any]] = {
+    "gaussian": _gaussian_log,
+    "boxcar": _boxcar,
+    "epanechnikov": _epanechnikov,
+}
+
+
+def nadaraya_watson(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    *,
+    kernel: str | Callable[[Any], Any] = "gaussian",
+    bandwidth: float | Any = 1.0,
+    return_weights: bool = False,
+    backend: str | None = None,
+) -> Any:
+    r"""Nadaraya-Watson kernel regression.
+
+    .. math:: f(q) = \sum_i \frac{K((q - k_i)/b)}{\sum_j K((q - k_j)/b)} v_i
+
+    Parameters
+    ----------
+    queries : array, shape (n,) or (n, d)
+    keys : array, shape (m,) for scalar keys or (m, d) for vector keys
+        (the distance is then Euclidean).
+    values : array, shape (m,) or (m, d_v)
+    kernel : {"gaussian", "boxcar", "epanechnikov"} or callable
+        A callable receives the scaled distances ``u`` (an array, ``>= 0``)
+        and returns non-negative kernel values of the same shape.
+    bandwidth : float or 0-d array
+        ``b > 0``.  An array of the inputs' backend may carry gradients: with
+        the gaussian kernel and ``bandwidth = 1/w`` this is the learned-width
+        form ``softmax(-((q - k) w)^2 / 2)``.
+    return_weights : bool
+
+    Returns
+    -------
+    estimate : array, shape (n,) or (n, d_v)
+    weights : array, shape (n, m), only with ``return_weights=True``
+
+    Notes
+    -----
+    A query that no key reaches (compact kernels) gets zeros, never NaN.
+    """
+    names = ("queries", "keys", "values", "bandwidth")
+    chosen, reason = _dispatch.resolve(_NW, backend, names, (queries, keys, values, bandwidth))
+    xp = chosen.xp
+    for name, array in (("queries", queries), ("keys", keys), ("values", values)):
+        _checks.require_float(_NW, xp, name, array)
+    if keys.ndim not in (1, 2):
+        raise ValueError(f"{_NW}: keys must have shape (m,) or (m, d), got {_checks.shape_of(keys)}")
+    expected = (keys.ndim == 1 and queries.ndim == 1) or (keys.ndim == 2 and queries.ndim == 2 and queries.shape[1] == keys.shape[1])
+    if not expected:
+        layout = "(n,)" if keys.ndim == 1 else f"(n, {keys.shape[1]})"
+        raise ValueError(f"{_NW}: queries must have shape {layout} to match keys {_checks.shape_of(keys)}, got {_checks.shape_of(queries)}")
+    if values.ndim not in (1, 2) or values.shape[0] != keys.shape[0]:
+        raise ValueError(f"{_NW}: values must have shape ({keys.shape[0]},) or ({keys.shape[0]}, d_v), got {_checks.shape_of(values)}")
+    _checks.require_same_dtype(_NW, ("queries", "keys", "values"), (queries, keys, values))
+    if isinstance(kernel, str):
+        if kernel not in KERNELS:
+            raise ValueError(f"{_NW}: kernel must be one of {sorted(KERNELS)} or a callable, got {kernel!r}")
+    elif not callable(kernel):
+        raise TypeError(f"{_NW}: kernel must be a name or a callable, got {type(kernel).__name__}")
+    if isinstance(bandwidth, (int, float)):
+        if not bandwidth > 0:
+            raise ValueError(f"{_NW}: bandwidth must be positive, got {bandwidth}")
+        bandwidth = float(bandwidth)
+    elif getattr(bandwidth, "ndim", None) != 0:
+        raise ValueError(f"{_NW}: bandwidth must be a positive float or a 0-d array, got {bandwidth!r}")
+    return _dispatch.call(
+        _NW, chosen, reason, _nadaraya_watson_generic,
+        {"queries": queries, "keys": keys, "values": values, "kernel": kernel, "bandwidth": bandwidth, "return_weights": return_weights},
+    )
+
+
+def _nadaraya_watson_generic(
+    xp: Any, *, queries: Any, keys: Any, values: Any, kernel: Any, bandwidth: Any, return_weights: bool
+) -> Any:
+    if keys.ndim == 1:
+        u = xp.abs(queries[:, None] - keys[None, :]) / bandwidth
+    else:
+        difference = queries[:, None, :] - keys[None, :, :]
+        u = xp.sqrt(xp.sum(difference * difference, axis=-1)) / bandwidth
+    if kernel == "gaussian":
+        weights = _masking.softmax(xp, _gaussian_log(xp, u))
+    else:
+        k = KERNELS[kernel](xp, u) if isinstance(kernel, str) else kernel(u)
+        total = xp.sum(k, axis=-1, keepdims=True)
+        weights = k / xp.where(total == 0.0, 1.0, total)
+    estimate = weights @ values if values.ndim == 2 else xp.sum(weights * values, axis=-1)
+    return (estimate, weights) if return_weights else estimate

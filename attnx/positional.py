@@ -1,0 +1,172 @@
+"""Positional encodings: sinusoidal, rotary, learned."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attnx import _checks, _dispatch, _params
+
+__all__ = ["LearnedPositions", "apply_rotary", "sinusoidal_positions"]
+
+
+def _frequencies(xp: Any, half: int, dim: int, base: float, dtype: Any, device: Any) -> Any:
+    """``base^(-2j/dim)`` for ``j < half``."""
+    exponents = xp.arange(half, dtype=dtype, device=device) * (2.0 / dim)
+    return xp.exp(exponents * -_log(base))
+
+
+def _log(value: float) -> float:
+    import math
+
+    return math.log(value)
+
+
+def _creation_dtype(xp: Any, dtype: Any) -> Any:
+    if dtype is None:
+        return xp.float32
+    return getattr(xp, dtype) if isinstance(dtype, str) else dtype
+
+
+def sinusoidal_positions(
+    num_positions: int,
+    dim: int,
+    *,
+    base: float = 10000.0,
+    dtype: Any = None,
+    backend: str | None = None,
+    device: Any = None,
+) -> Any:
+    r"""The sinusoidal encoding of Vaswani et al. (2017).
+
+    :math:`P_{i, 2j} = \sin(i / \mathrm{base}^{2j/\mathrm{dim}})`,
+    :math:`P_{i, 2j+1} = \cos(i / \mathrm{base}^{2j/\mathrm{dim}})`.  An odd
+    ``dim`` ends with a sine column.  Row ``i + delta`` is row ``i`` rotated,
+    pair by pair, by the angle ``delta * omega_j``: the encoding makes relative
+    positions linear.
+
+    Returns
+    -------
+    array, shape (num_positions, dim)
+        float32 by default; computed in float64 where the backend has it.
+    """
+    op = "sinusoidal_positions"
+    num_positions = _checks.require_positive_int(op, "num_positions", num_positions, allow_zero=True)
+    dim = _checks.require_positive_int(op, "dim", dim)
+    base = _positive_base(op, base)
+    chosen, reason = _dispatch.resolve(op, backend, (), ())
+    return _dispatch.call(
+        op, chosen, reason, _sinusoidal_generic,
+        {"num_positions": num_positions, "dim": dim, "base": base, "dtype": dtype, "device": device},
+    )
+
+
+def _positive_base(op: str, base: Any) -> float:
+    if not isinstance(base, (int, float)) or not base > 0:
+        raise ValueError(f"{op}: base must be a positive number, got {base!r}")
+    return float(base)
+
+
+def _sinusoidal_generic(xp: Any, *, num_positions: int, dim: int, base: float, dtype: Any, device: Any) -> Any:
+    dtype = _creation_dtype(xp, dtype)
+    compute = getattr(xp, "float64", dtype)
+    half = (dim + 1) // 2
+    angles = xp.arange(num_positions, dtype=compute, device=device)[:, None] * _frequencies(xp, half, dim, base, compute, device)
+    pairs = xp.stack([xp.sin(angles), xp.cos(angles)], axis=-1)
+    table = xp.reshape(pairs, (num_positions, 2 * half))[:, :dim]
+    return xp.astype(table, dtype)
+
+
+def apply_rotary(x: Any, positions: Any = None, *, base: float = 10000.0, backend: str | None = None) -> Any:
+    r"""Rotary position embedding (RoPE, Su et al. 2021) of ``x``.
+
+    Each pair of features ``(x_{2j}, x_{2j+1})`` at position ``p`` is rotated
+    by the angle ``p * base^(-2j/d)``.  Apply it to queries and keys before
+    attention: the score between the rotated query at ``i`` and the rotated
+    key at ``j`` then depends on ``i - j`` only.
+
+    Parameters
+    ----------
+    x : array, shape (..., n, d)
+        ``d`` even.
+    positions : array, shape (n,) or broadcastable to (..., n), optional
+        Integer or real positions; ``0, 1, ..., n-1`` by default.
+    base : float
+
+    Returns
+    -------
+    array, same shape, dtype and device as ``x``
+    """
+    op = "apply_rotary"
+    chosen, reason = _dispatch.resolve(op, backend, ("x", "positions"), (x, positions))
+    xp = chosen.xp
+    _checks.require_ndim(op, "x", x, 2, "(..., n, d)")
+    _checks.require_float(op, xp, "x", x)
+    n, d = x.shape[-2:]
+    if d % 2:
+        raise ValueError(f"{op}: x must have an even number of features d, got shape {_checks.shape_of(x)}")
+    if positions is not None:
+        if _checks.dtype_kind(xp, positions) not in ("int", "float"):
+            raise TypeError(f"{op}: positions must be integer or real, got dtype {positions.dtype}")
+        if positions.ndim == 0 or positions.shape[-1] != n:
+            raise ValueError(f"{op}: positions must have shape (..., n) with n = {n}, got {_checks.shape_of(positions)}")
+        _checks.broadcast(op, {"positions": positions.shape[:-1], "x": x.shape[:-2]})
+    base = _positive_base(op, base)
+    return _dispatch.call(op, chosen, reason, _rotary_generic, {"x": x, "positions": positions, "base": base})
+
+
+def _rotary_generic(xp: Any, *, x: Any, positions: Any, base: float) -> Any:
+    n, d = x.shape[-2:]
+    device = _checks.device_of(x)
+    compute = _checks.accumulation_dtype(xp, x.dtype)
+    if positions is None:
+        positions = xp.arange(n, dtype=compute, device=device)
+    else:
+        positions = xp.astype(positions, compute)
+    angles = positions[..., None] * _frequencies(xp, d // 2, d, base, compute, device)  # (..., n, d/2)
+    cos, sin = xp.cos(angles), xp.sin(angles)
+    values = xp.astype(x, compute) if compute != x.dtype else x
+    even, odd = values[..., 0::2], values[..., 1::2]
+    rotated = xp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    rotated = xp.reshape(rotated, (*rotated.shape[:-2], d))
+    return xp.astype(rotated, x.dtype) if compute != x.dtype else rotated
+
+
+class LearnedPositions:
+    """A learned positional embedding: a ``(num_positions, dim)`` table.
+
+    Initialised standard normal from ``seed`` (as ``torch.nn.Embedding``), the
+    same numbers on every backend.  Calling it looks positions up.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> positions = attnx.LearnedPositions(16, 4, seed=0)
+    >>> positions(3).shape  # the first three rows
+    (3, 4)
+    """
+
+    def __init__(
+        self, num_positions: int, dim: int, *, seed: int = 0, dtype: Any = None, backend: str | None = None, device: Any = None
+    ) -> None:
+        op = "LearnedPositions"
+        num_positions = _checks.require_positive_int(op, "num_positions", num_positions)
+        dim = _checks.require_positive_int(op, "dim", dim)
+        self.table = _params.create(op, backend, seed, dtype, device, normal={"table": (num_positions, dim)})["table"]
+
+    def __call__(self, positions: int | Any) -> Any:
+        """Rows for ``positions``: an int ``n`` (rows ``0..n-1``) or an integer
+        array of any shape ``(...)``, giving ``(..., dim)``."""
+        table = self.table
+        count = table.shape[0]
+        chosen, _ = _dispatch.resolve("LearnedPositions", None, ("table",), (table,))
+        xp = chosen.xp
+        if isinstance(positions, int):
+            if not 0 <= positions <= count:
+                raise ValueError(f"LearnedPositions: n must lie in [0, {count}], got {positions}")
+            return table[:positions, :]
+        if _checks.dtype_kind(xp, positions) != "int":
+            raise TypeError(f"LearnedPositions: positions must be integers, got dtype {positions.dtype}")
+        if xp.any(positions < 0) or xp.any(positions >= count):
+            raise ValueError(f"LearnedPositions: positions must lie in [0, {count}), got values outside")
+        flat = xp.take(table, xp.reshape(positions, (-1,)), axis=0)
+        return xp.reshape(flat, (*positions.shape, table.shape[1]))
