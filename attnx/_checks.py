@@ -17,6 +17,11 @@ def shape_of(array: Any) -> tuple[int, ...]:
     return tuple(array.shape)
 
 
+def dtype_name(array: Any) -> str:
+    """``"float32"`` for every backend's float32 (not ``torch.float32``)."""
+    return str(array.dtype).rpartition(".")[2]
+
+
 def require_ndim(operation: str, name: str, array: Any, min_ndim: int, layout: str) -> None:
     if array.ndim < min_ndim:
         raise ValueError(
@@ -46,7 +51,7 @@ def dtype_kind(xp: Any, array: Any) -> str:
 def require_float(operation: str, xp: Any, name: str, array: Any) -> None:
     if _kind(xp, array.dtype) != "float":
         raise TypeError(
-            f"{operation}: {name} must have a real floating-point dtype, got {array.dtype}"
+            f"{operation}: {name} must have a real floating-point dtype, got {dtype_name(array)}"
         )
 
 
@@ -55,7 +60,7 @@ def require_same_dtype(operation: str, names: tuple[str, ...], arrays: tuple[Any
     for name, array in zip(names[1:], arrays[1:]):
         if array.dtype != first:
             raise TypeError(
-                f"{operation}: {name} has dtype {array.dtype} but {names[0]} has {first}; "
+                f"{operation}: {name} has dtype {dtype_name(array)} but {names[0]} has {dtype_name(arrays[0])}; "
                 f"cast them to one dtype"
             )
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from attnx._checks import broadcast, device_of, dtype_kind, shape_of
+from attnx._checks import broadcast, device_of, dtype_kind, dtype_name, shape_of
 
 Align = Literal["bottom_right", "top_left"]
 
@@ -65,7 +65,7 @@ def check_mask(operation: str, xp: Any, mask: Any, batch_shape: tuple[int, ...],
     if kind not in ("bool", "float"):
         raise TypeError(
             f"{operation}: mask must be boolean (True where attention is allowed) or real "
-            f"floating (added to the scores), got dtype {mask.dtype}"
+            f"floating (added to the scores), got dtype {dtype_name(mask)}"
         )
     target = (*batch_shape, n, m)
     if broadcast(operation, {"mask": shape_of(mask), "scores": target}) != target:
@@ -97,7 +97,7 @@ def check_lengths(
     operation: str, xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int
 ) -> None:
     if dtype_kind(xp, key_lengths) != "int":
-        raise TypeError(f"{operation}: key_lengths must have an integer dtype, got {key_lengths.dtype}")
+        raise TypeError(f"{operation}: key_lengths must have an integer dtype, got {dtype_name(key_lengths)}")
     shape = shape_of(key_lengths)
     if _lengths_layout(shape, batch_shape, n) is None:
         first = f"({batch_shape[0]},), " if batch_shape else ""

@@ -23,7 +23,7 @@ def require_mapping(operation: str, params: Any, *, required: tuple[str, ...], o
 def _check_dtype(operation: str, xp: Any, name: str, array: Any, dtype: Any) -> None:
     _checks.require_float(operation, xp, f"params[{name!r}]", array)
     if dtype is not None and array.dtype != dtype:
-        raise TypeError(f"{operation}: params[{name!r}] has dtype {array.dtype} but the inputs have {dtype}")
+        raise TypeError(f"{operation}: params[{name!r}] has dtype {_checks.dtype_name(array)} but the inputs have {str(dtype).rpartition('.')[2]}")
 
 
 def matrix(

@@ -106,7 +106,7 @@ def apply_rotary(x: Any, positions: Any = None, *, base: float = 10000.0, backen
         raise ValueError(f"{op}: x must have an even number of features d, got shape {_checks.shape_of(x)}")
     if positions is not None:
         if _checks.dtype_kind(xp, positions) not in ("int", "float"):
-            raise TypeError(f"{op}: positions must be integer or real, got dtype {positions.dtype}")
+            raise TypeError(f"{op}: positions must be integer or real, got dtype {_checks.dtype_name(positions)}")
         if positions.ndim == 0 or positions.shape[-1] != n:
             raise ValueError(f"{op}: positions must have shape (..., n) with n = {n}, got {_checks.shape_of(positions)}")
         _checks.broadcast(op, {"positions": positions.shape[:-1], "x": x.shape[:-2]})
@@ -165,7 +165,7 @@ class LearnedPositions:
                 raise ValueError(f"LearnedPositions: n must lie in [0, {count}], got {positions}")
             return table[:positions, :]
         if _checks.dtype_kind(xp, positions) != "int":
-            raise TypeError(f"LearnedPositions: positions must be integers, got dtype {positions.dtype}")
+            raise TypeError(f"LearnedPositions: positions must be integers, got dtype {_checks.dtype_name(positions)}")
         if xp.any(positions < 0) or xp.any(positions >= count):
             raise ValueError(f"LearnedPositions: positions must lie in [0, {count}), got values outside")
         flat = xp.take(table, xp.reshape(positions, (-1,)), axis=0)

@@ -80,3 +80,116 @@ def scaled_dot_product_attention(
         scores = scores + np.asarray(additive, dtype=np.float64)
     weights = softmax(scores, allowed)
     return np.einsum("...nm,...md->...nd", weights, value), weights
+
+
+def multi_head_attention(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    params: dict,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    allowed: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Head by head: (output, weights per head (..., h, n, m)).  ``allowed``
+    broadcasts to (..., n, m) or (..., h, n, m)."""
+    p = {name: np.asarray(value_, dtype=np.float64) for name, value_ in params.items()}
+    h = num_heads
+    h_kv = num_kv_heads or h
+    q = query @ p["w_q"] + p.get("b_q", 0.0)
+    k = key @ p["w_k"] + p.get("b_k", 0.0)
+    v = value @ p["w_v"] + p.get("b_v", 0.0)
+    d_k, d_v = q.shape[-1] // h, v.shape[-1] // h_kv
+    heads, weights = [], []
+    for i in range(h):
+        j = i // (h // h_kv)
+        head_allowed = allowed
+        if allowed is not None and allowed.ndim >= 3 and allowed.shape[-3] == h and allowed.ndim == query.ndim + 1:
+            head_allowed = allowed[..., i, :, :]
+        out, w = scaled_dot_product_attention(
+            q[..., i * d_k : (i + 1) * d_k], k[..., j * d_k : (j + 1) * d_k], v[..., j * d_v : (j + 1) * d_v], allowed=head_allowed
+        )
+        heads.append(out)
+        weights.append(w)
+    concat = np.concatenate(heads, axis=-1)
+    output = concat @ p["w_o"] + p.get("b_o", 0.0) if "w_o" in p else concat
+    return output, np.stack(weights, axis=-3)
+
+
+def additive_attention(query, key, value, params, allowed=None):
+    """Score by score: a(q_i, k_j) = w_v . tanh(W_q^T q_i + W_k^T k_j)."""
+    w_q, w_k, w_v = (np.asarray(params[n], dtype=np.float64) for n in ("w_q", "w_k", "w_v"))
+    query, key, value = (np.asarray(a, np.float64) for a in (query, key, value))
+    lead = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+    query = np.broadcast_to(query, (*lead, *query.shape[-2:]))
+    key = np.broadcast_to(key, (*lead, *key.shape[-2:]))
+    value = np.broadcast_to(value, (*lead, *value.shape[-2:]))
+    n, m = query.shape[-2], key.shape[-2]
+    scores = np.zeros((*lead, n, m))
+    for index in np.ndindex(*lead, n, m):
+        *b, i, j = index
+        scores[index] = w_v @ np.tanh(query[(*b, i)] @ w_q + key[(*b, j)] @ w_k)
+    weights = softmax(scores, allowed)
+    return np.einsum("...nm,...md->...nd", weights, value), weights
+
+
+KERNELS = {
+    "gaussian": lambda u: math.exp(-u * u / 2),
+    "boxcar": lambda u: 1.0 if abs(u) <= 1 else 0.0,
+    "epanechnikov": lambda u: 0.75 * (1 - u * u) if abs(u) <= 1 else 0.0,
+}
+
+
+def nadaraya_watson(queries, keys, values, kernel="gaussian", bandwidth=1.0):
+    queries, keys, values = (np.asarray(a, dtype=np.float64) for a in (queries, keys, values))
+    K = KERNELS[kernel] if isinstance(kernel, str) else kernel
+    weights = np.zeros((len(queries), len(keys)))
+    for i, q in enumerate(queries):
+        for j, k in enumerate(keys):
+            weights[i, j] = K(float(np.linalg.norm(np.atleast_1d(q - k))) / bandwidth)
+        total = weights[i].sum()
+        if total > 0:
+            weights[i] /= total
+    return np.tensordot(weights, values, axes=(1, 0)), weights
+
+
+def sinusoidal_positions(num_positions, dim, base=10000.0):
+    table = np.zeros((num_positions, dim))
+    for i in range(num_positions):
+        for column in range(dim):
+            j = column // 2
+            angle = i / base ** (2 * j / dim)
+            table[i, column] = math.sin(angle) if column % 2 == 0 else math.cos(angle)
+    return table
+
+
+def apply_rotary(x, positions=None, base=10000.0):
+    x = np.asarray(x, dtype=np.float64)
+    n, d = x.shape[-2:]
+    positions = np.arange(n) if positions is None else np.asarray(positions, dtype=np.float64)
+    positions = np.broadcast_to(positions, (*x.shape[:-2], n))
+    out = np.empty_like(x)
+    for index in np.ndindex(*x.shape[:-1]):
+        p = positions[index]
+        for j in range(d // 2):
+            theta = p * base ** (-2 * j / d)
+            rotation = np.array([[math.cos(theta), -math.sin(theta)], [math.sin(theta), math.cos(theta)]])
+            out[(*index, slice(2 * j, 2 * j + 2))] = rotation @ x[(*index, slice(2 * j, 2 * j + 2))]
+    return out
+
+
+def causal_conv1d(x, weight, bias=None, stride=1, dilation=1):
+    """y[..., o, t] = b[o] + sum_{c,i} w[o, c, i] x[..., c, t*stride - (K-1-i)*dilation] (zero before 0)."""
+    x, weight = np.asarray(x, np.float64), np.asarray(weight, np.float64)
+    c_out, c_in, kernel_size = weight.shape
+    length = x.shape[-1]
+    out_length = -(-length // stride)
+    y = np.zeros((*x.shape[:-2], c_out, out_length))
+    for t in range(out_length):
+        for i in range(kernel_size):
+            source = t * stride - (kernel_size - 1 - i) * dilation
+            if source >= 0:
+                y[..., :, t] += x[..., :, source] @ weight[:, :, i].T
+    if bias is not None:
+        y += np.asarray(bias, np.float64)[:, None]
+    return y

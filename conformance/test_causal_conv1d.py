@@ -1,0 +1,73 @@
+"""causal_conv1d against the reference and torch.nn.functional.conv1d; receptive_field measured."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnx
+from attnx_conformance import reference
+from attnx_conformance.helpers import assert_close, rng, rounded
+
+pytestmark = pytest.mark.attnx_operation("causal_conv1d")
+
+CASES = [((3, 10), (4, 3, 2), 1, 1), ((2, 3, 17), (5, 3, 3), 2, 1), ((2, 2, 12), (2, 2, 2), 1, 4), ((1, 1), (1, 1, 3), 3, 2), ((4, 1, 9), (2, 1, 1), 2, 1)]
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, dilation", CASES)
+def test_matches_reference(attnx_backend, x_shape, w_shape, stride, dilation):
+    be = attnx_backend
+    gen = rng(60)
+    x, w, b = gen.standard_normal(x_shape), gen.standard_normal(w_shape), gen.standard_normal(w_shape[0])
+    for dtype in ("float32", "float64"):
+        got = attnx.causal_conv1d(be.array(x, dtype), be.array(w, dtype), be.array(b, dtype), stride=stride, dilation=dilation)
+        expected = reference.causal_conv1d(*(rounded(a, be, dtype) for a in (x, w, b)), stride=stride, dilation=dilation)
+        assert_close(got, expected, be, dtype, scale=10)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, stride, dilation", CASES)
+def test_matches_torch_conv1d(attnx_backend, x_shape, w_shape, stride, dilation):
+    torch = pytest.importorskip("torch", reason="compares with torch.nn.functional.conv1d")
+    be = attnx_backend
+    gen = rng(61)
+    x, w = gen.standard_normal(x_shape), gen.standard_normal(w_shape)
+    padded = torch.nn.functional.pad(torch.from_numpy(x), ((w_shape[-1] - 1) * dilation, 0))
+    expected = torch.nn.functional.conv1d(padded, torch.from_numpy(w), stride=stride, dilation=dilation)
+    got = attnx.causal_conv1d(be.array(x, "float64"), be.array(w, "float64"), stride=stride, dilation=dilation)
+    assert_close(got, expected.numpy(), be, "float64")
+
+
+@pytest.mark.parametrize("kernel_size, dilations", [(2, [1, 2, 4, 8]), (3, [1, 1, 2]), ([2, 3], [3, 1])])
+def test_receptive_field_is_the_measured_dependence(attnx_backend, kernel_size, dilations):
+    be = attnx_backend
+    sizes = [kernel_size] * len(dilations) if isinstance(kernel_size, int) else kernel_size
+    length = 40
+    gen = rng(62)
+    weights = [be.array(gen.uniform(0.5, 1.0, (1, 1, k)), "float64") for k in sizes]
+
+    def stack(x):
+        for w, d in zip(weights, dilations):
+            x = attnx.causal_conv1d(x, w, dilation=d)
+        return x
+
+    base = np.zeros((1, length))
+    last = length - 1
+    depends = []
+    for t in range(length):  # which inputs move the last output?
+        bumped = base.copy()
+        bumped[0, t] = 1.0
+        depends.append(be.numpy(stack(be.array(bumped, "float64")))[0, last] != 0)
+    measured = last - int(np.argmax(depends)) + 1
+    assert all(depends[last - measured + 1 :])
+    assert attnx.receptive_field(kernel_size, dilations) == measured
+
+
+def test_bad_input(attnx_backend):
+    be = attnx_backend
+    x = be.array(np.zeros((2, 3, 8)), "float32")
+    with pytest.raises(ValueError, match=r"causal_conv1d: x must have shape \(..., c_in, length\) with c_in = 4"):
+        attnx.causal_conv1d(x, be.array(np.zeros((2, 4, 2)), "float32"))
+    with pytest.raises(ValueError, match="dilation must be a positive integer, got 0"):
+        attnx.causal_conv1d(x, be.array(np.zeros((2, 3, 2)), "float32"), dilation=0)
+    with pytest.raises(TypeError, match="weight has dtype float64 but x has float32"):
+        attnx.causal_conv1d(x, be.array(np.zeros((2, 3, 2)), "float64"))

@@ -1,0 +1,73 @@
+"""masked_softmax and attnx.masks against explicit definitions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnx
+from attnx_conformance import reference
+from attnx_conformance.helpers import assert_close, rng, rounded
+
+pytestmark = pytest.mark.attnx_operation("masked_softmax")
+
+
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_masked_softmax_matches_reference(attnx_backend, axis):
+    be = attnx_backend
+    gen = rng(21)
+    scores = gen.standard_normal((3, 4, 5)) * 3
+    mask = gen.random((3, 4, 5)) < 0.6
+    mask[0, 0, :] = False
+    moved_scores = np.moveaxis(scores, axis, -1)
+    moved_mask = np.moveaxis(mask, axis, -1)
+    for dtype in be.dtypes:
+        got = attnx.masked_softmax(be.array(scores, dtype), mask=be.array(moved_mask), axis=axis)
+        expected = reference.softmax(np.moveaxis(rounded(scores, be, dtype), axis, -1), moved_mask)
+        assert_close(got, np.moveaxis(expected, -1, axis), be, dtype)
+
+
+def test_masked_softmax_lengths_and_1d(attnx_backend):
+    be = attnx_backend
+    gen = rng(22)
+    scores = gen.standard_normal((2, 3, 6))
+    lengths = np.array([6, 0])
+    got = attnx.masked_softmax(be.array(scores, "float64"), key_lengths=be.array(lengths))
+    allowed = reference.allowed_mask(3, 6, batch_shape=(2,), key_lengths=lengths)
+    assert_close(got, reference.softmax(scores, allowed), be, "float64")
+    vector = gen.standard_normal(5)
+    assert_close(attnx.masked_softmax(be.array(vector, "float64")), reference.softmax(vector), be, "float64")
+
+
+def test_masked_softmax_additive_inf(attnx_backend):
+    be = attnx_backend
+    scores = np.zeros((2, 3))
+    additive = np.array([[0.0, -np.inf, 1.0], [-np.inf, -np.inf, -np.inf]])
+    got = be.numpy(attnx.masked_softmax(be.array(scores, "float32"), mask=be.array(additive, "float32")))
+    assert np.all(got[1] == 0) and got[0, 1] == 0 and np.isclose(got[0].sum(), 1)
+
+
+@pytest.mark.parametrize("n, m", [(4, 4), (3, 6), (6, 3), (1, 5)])
+def test_mask_builders(attnx_backend, n, m):
+    be = attnx_backend
+    rows, cols = np.arange(n)[:, None], np.arange(m)[None, :]
+    cases = {
+        "bottom_right": (attnx.masks.causal(n, m, backend=be.name), cols <= rows + (m - n)),
+        "top_left": (attnx.masks.causal(n, m, align="top_left", backend=be.name), cols <= rows),
+        "window 1": (attnx.masks.sliding_window(n, m, 1, backend=be.name), (cols <= rows + m - n) & (cols >= rows + m - n - 1)),
+        "window (0, 2)": (attnx.masks.sliding_window(n, m, (0, 2), backend=be.name), (cols >= rows + m - n) & (cols <= rows + m - n + 2)),
+        "window (None, 0)": (attnx.masks.sliding_window(n, m, (None, 0), backend=be.name), cols <= rows + m - n),
+    }
+    for name, (got, expected) in cases.items():
+        assert be.backend.owns(got), name
+        np.testing.assert_array_equal(be.numpy(got), expected, err_msg=name)
+    lengths = be.array(np.array([0, 2, m]))
+    np.testing.assert_array_equal(be.numpy(attnx.masks.from_lengths(lengths, m)), np.arange(m)[None, :] < np.array([0, 2, m])[:, None])
+
+
+def test_masks_combine_and_feed_attention(attnx_backend):
+    be = attnx_backend
+    mask = attnx.masks.causal(5, backend=be.name) & attnx.masks.sliding_window(5, window=2, backend=be.name)
+    x = be.array(rng(23).standard_normal((5, 4)), "float64")
+    _, weights = attnx.scaled_dot_product_attention(x, x, x, mask=mask, return_weights=True)
+    assert (be.numpy(weights)[~be.numpy(mask)] == 0).all()

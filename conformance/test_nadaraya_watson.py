@@ -1,0 +1,60 @@
+"""nadaraya_watson against the kernel-by-kernel reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnx
+from attnx_conformance import reference
+from attnx_conformance.helpers import assert_close, rng, rounded
+
+pytestmark = pytest.mark.attnx_operation("nadaraya_watson")
+
+
+@pytest.mark.parametrize("kernel", ["gaussian", "boxcar", "epanechnikov"])
+@pytest.mark.parametrize("d, d_v", [(None, None), (None, 3), (2, None), (3, 2)])
+def test_matches_reference(attnx_backend, kernel, d, d_v):
+    be = attnx_backend
+    gen = rng(40)
+    keys = gen.uniform(0, 5, (20,) if d is None else (20, d))
+    queries = gen.uniform(-1, 6, (7,) if d is None else (7, d))
+    queries[0] = 100.0  # far from every key: zeros for compact kernels
+    values = gen.standard_normal((20,) if d_v is None else (20, d_v))
+    for dtype in ("float32", "float64"):
+        args = [be.array(a, dtype) for a in (queries, keys, values)]
+        out, w = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.7, return_weights=True)
+        exact = [rounded(a, be, dtype) for a in (queries, keys, values)]
+        expected, expected_w = reference.nadaraya_watson(*exact, kernel=kernel, bandwidth=0.7)
+        if kernel == "gaussian":  # the reference underflows far away; attnx's softmax doesn't
+            out, w, expected, expected_w = out[1:], w[1:], expected[1:], expected_w[1:]
+        assert_close(out, expected, be, dtype, scale=10)
+        assert_close(w, expected_w, be, dtype)
+
+
+def test_callable_kernel_and_learned_width(attnx_backend):
+    be = attnx_backend
+    gen = rng(41)
+    keys = np.sort(gen.uniform(0, 5, 30))
+    values = 2 * np.sin(keys) + keys**0.8
+    queries = np.linspace(0, 5, 6)
+    triangle = lambda u: be.xp.clip(1.0 - u, min=0.0)  # noqa: E731
+    out = attnx.nadaraya_watson(*(be.array(a, "float64") for a in (queries, keys, values)), kernel=triangle, bandwidth=0.5)
+    expected, _ = reference.nadaraya_watson(queries, keys, values, kernel=lambda u: max(0.0, 1 - u), bandwidth=0.5)
+    assert_close(out, expected, be, "float64")
+    w = 1.7  # softmax(-((q - k) w)^2 / 2) is the gaussian kernel with bandwidth 1/w
+    scores = -(((queries[:, None] - keys[None, :]) * w) ** 2) / 2
+    expected = reference.softmax(scores) @ values
+    out = attnx.nadaraya_watson(*(be.array(a, "float64") for a in (queries, keys, values)), bandwidth=be.array(np.array(1 / w), "float64"))
+    assert_close(out, expected, be, "float64")
+
+
+def test_bad_input(attnx_backend):
+    be = attnx_backend
+    keys = be.array(np.zeros((5, 2)), "float64")
+    with pytest.raises(ValueError, match=r"nadaraya_watson: queries must have shape \(n, 2\)"):
+        attnx.nadaraya_watson(be.array(np.zeros(3), "float64"), keys, be.array(np.zeros(5), "float64"))
+    with pytest.raises(ValueError, match="bandwidth must be positive"):
+        attnx.nadaraya_watson(be.array(np.zeros((3, 2)), "float64"), keys, be.array(np.zeros(5), "float64"), bandwidth=0)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        attnx.nadaraya_watson(be.array(np.zeros((3, 2)), "float64"), keys, be.array(np.zeros(5), "float64"), kernel="cauchy")

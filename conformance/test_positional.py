@@ -1,0 +1,74 @@
+"""Positional encodings: references and the properties that make them relative."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnx
+from attnx_conformance import reference
+from attnx_conformance.helpers import assert_close, rng
+
+pytestmark = pytest.mark.attnx_operation("positional_encodings")
+
+
+@pytest.mark.parametrize("num_positions, dim", [(1, 1), (10, 8), (7, 5), (50, 16)])
+def test_sinusoidal_matches_reference(attnx_backend, num_positions, dim):
+    be = attnx_backend
+    for dtype in ("float32", "float64"):
+        got = attnx.sinusoidal_positions(num_positions, dim, dtype=dtype, backend=be.name)
+        assert_close(got, reference.sinusoidal_positions(num_positions, dim), be, dtype)
+
+
+def test_sinusoidal_relative_rotation(attnx_backend):
+    be = attnx_backend
+    dim, delta = 16, 5
+    table = be.numpy(attnx.sinusoidal_positions(40, dim, dtype="float64", backend=be.name))
+    for j in range(dim // 2):
+        omega = 10000.0 ** (-2 * j / dim)
+        c, s = np.cos(delta * omega), np.sin(delta * omega)
+        # (sin, cos)(i + delta) = [[c, s], [-s, c]] @ (sin, cos)(i)
+        rotation = np.array([[c, s], [-s, c]])
+        pairs = table[:, 2 * j : 2 * j + 2]
+        np.testing.assert_allclose(pairs[:-delta] @ rotation.T, pairs[delta:], atol=1e-12)
+
+
+@pytest.mark.parametrize("shape, positions", [((5, 4), None), ((2, 3, 6, 8), None), ((3, 2), np.array([3, 0, 7])), ((2, 4, 6), np.array([[0, 1, 2, 3], [10, 11, 12, 13]]))])
+def test_rotary_matches_reference(attnx_backend, shape, positions):
+    be = attnx_backend
+    x = rng(50).standard_normal(shape)
+    for dtype in ("float32", "float64"):
+        pos = None if positions is None else be.array(positions)
+        got = attnx.apply_rotary(be.array(x, dtype), pos)
+        assert_close(got, reference.apply_rotary(be.numpy(be.array(x, dtype)).astype(np.float64), positions), be, dtype)
+
+
+def test_rotary_scores_depend_only_on_offset(attnx_backend):
+    be = attnx_backend
+    gen = rng(51)
+    q, k = gen.standard_normal(8), gen.standard_normal(8)
+    scores = {}
+    for i, j in [(3, 1), (10, 8), (2, 0), (7, 7), (0, 0)]:
+        qi = be.numpy(attnx.apply_rotary(be.array(q[None, :], "float64"), be.array(np.array([i]))))
+        kj = be.numpy(attnx.apply_rotary(be.array(k[None, :], "float64"), be.array(np.array([j]))))
+        scores[(i, j)] = float(qi[0] @ kj[0])
+    assert scores[(3, 1)] == pytest.approx(scores[(10, 8)], abs=1e-12) == pytest.approx(scores[(2, 0)], abs=1e-12)
+    assert scores[(7, 7)] == pytest.approx(scores[(0, 0)], abs=1e-12) == pytest.approx(float(q @ k), abs=1e-12)
+    assert abs(scores[(3, 1)] - scores[(0, 0)]) > 1e-6
+
+
+def test_rotary_rejects_odd_width(attnx_backend):
+    be = attnx_backend
+    with pytest.raises(ValueError, match=r"apply_rotary: x must have an even number of features d, got shape \(3, 5\)"):
+        attnx.apply_rotary(be.array(np.zeros((3, 5)), "float32"))
+
+
+def test_learned_positions_same_numbers_everywhere(attnx_backend):
+    be = attnx_backend
+    ours = attnx.LearnedPositions(12, 4, seed=9, dtype="float64", backend=be.name)
+    theirs = attnx.LearnedPositions(12, 4, seed=9, dtype="float64", backend="numpy")
+    np.testing.assert_array_equal(be.numpy(ours.table), theirs.table)
+    index = np.array([[0, 11], [5, 5]])
+    got = ours(be.array(index))
+    assert_close(got, theirs.table[index], be, "float64")
+    assert_close(ours(3), theirs.table[:3], be, "float64")
