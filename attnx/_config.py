@@ -50,6 +50,16 @@ def use_backend(name: str) -> Iterator[Backend]:
         _context_backend.reset(token)
 
 
+def chosen_backend_name() -> tuple[str | None, str]:
+    """The backend the user chose (not the default), and how."""
+    name = _context_backend.get()
+    if name is not None:
+        return name, "use_backend() block"
+    if _process_backend is not None:
+        return _process_backend, "set_backend()"
+    return os.environ.get(BACKEND_ENV) or None, f"${BACKEND_ENV}"
+
+
 def current_backend() -> tuple[Backend, str]:
     """The current backend and why it is current."""
     name = _context_backend.get()

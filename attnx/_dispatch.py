@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from attnx._config import current_backend
+from attnx._config import chosen_backend_name, current_backend
 from attnx._registry import registry
 from attnx.backend import Backend
 
@@ -71,6 +71,13 @@ def resolve(
                     )
         return chosen, "backend= argument"
     if owner is not None:
+        # Several backends may own one array type (a NumPy-based backend owns
+        # NumPy arrays too): the one the user chose wins when it owns them all.
+        preferred, how = chosen_backend_name()
+        if preferred is not None and preferred != owner.name:
+            candidate = registry.get(preferred)
+            if all(array is None or isinstance(array, _NOT_ARRAYS) or candidate.owns(array) for array in arrays):
+                return candidate, f"{how}, owns the inputs too"
         return owner, f"owns {owner_name}"
     return current_backend()
 

@@ -186,7 +186,7 @@ class Registry:
             if reason is None:
                 try:
                     version = entry.backend.version()
-                    devices = tuple(str(d) for d in entry.backend.devices())
+                    devices = tuple(_device_label(d) for d in entry.backend.devices())
                 except Exception as exc:
                     reason = f"failed to query: {exc!r}"
             rows.append(
@@ -196,6 +196,14 @@ class Registry:
             if entry.plugin not in self._entries:
                 rows.append(BackendInfo(entry.plugin, False, entry.error, None, (), entry.distribution))
         return rows
+
+
+def _device_label(device: Any) -> str:
+    """``cuda:0`` for ``device(type='cuda', index=0)``-like reprs too."""
+    text = str(device)
+    if text.endswith("')") and "('" in text:  # Device('CPU_DEVICE')
+        return text.partition("('")[2][:-2]
+    return text
 
 
 def _dist_name(ep: Any) -> str | None:

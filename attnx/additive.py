@@ -92,7 +92,7 @@ def additive_scores(xp: Any, query: Any, key: Any, params: Mapping[str, Any]) ->
     step = max(1, CHUNK_ELEMENTS // max(1, m * hidden))
     k = k[..., None, :, :]
     chunks = [
-        xp.sum(xp.tanh(q[..., start : start + step, None, :] + k) * w_v, axis=-1)
+        xp.sum(xp.tanh(q[..., start : min(start + step, n), None, :] + k) * w_v, axis=-1)
         for start in range(0, n, step)
     ]
     return chunks[0] if len(chunks) == 1 else xp.concat(chunks, axis=-2)

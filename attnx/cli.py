@@ -61,7 +61,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_conformance(args: argparse.Namespace) -> int:
     import pytest
 
-    command = ["--pyargs", "attnx_conformance", "-p", "no:cacheprovider", "-q"]
+    # attnx is imported already (this command), so pytest cannot rewrite its asserts: expected.
+    command = ["--pyargs", "attnx_conformance", "-p", "no:cacheprovider", "-q", "-W", "ignore::pytest.PytestAssertRewriteWarning"]
     for name in args.names:
         command += ["--attnx-backend", name]
     return int(pytest.main([*command, *args.pytest_args]))
@@ -74,11 +75,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="a small attention example with its weights")
     demo.add_argument("--backend", default="numpy")
     demo.set_defaults(run=cmd_demo)
-    conformance = sub.add_parser("conformance", help="run the conformance suite on backends")
+    conformance = sub.add_parser(
+        "conformance",
+        help="run the conformance suite on backends (other options go to pytest)",
+        description="Run attnx's conformance suite on the named backends; unknown options (-x, -k EXPR) go to pytest.",
+    )
     conformance.add_argument("names", nargs="+", metavar="BACKEND")
-    conformance.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed on to pytest after --")
     conformance.set_defaults(run=cmd_conformance)
-    args = parser.parse_args(argv)
+    # Options attnx does not know (-x, -k EXPR, ...) go on to pytest.
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "conformance":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.pytest_args = [a for a in extra if a != "--"]
     return args.run(args)
 
 

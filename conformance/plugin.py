@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -103,8 +104,10 @@ class BackendUnderTest:
 
 
 @pytest.fixture
-def attnx_backend(request: pytest.FixtureRequest) -> BackendUnderTest:
-    """The backend under test (parametrized by the plugin)."""
+def attnx_backend(request: pytest.FixtureRequest) -> Iterator[BackendUnderTest]:
+    """The backend under test (parametrized by the plugin), made the current
+    backend for the test, so it runs even when another backend owns the same
+    array type."""
     import attnx
 
     name = request.param
@@ -113,7 +116,8 @@ def attnx_backend(request: pytest.FixtureRequest) -> BackendUnderTest:
     except (ValueError, RuntimeError) as exc:
         pytest.skip(str(exc))
     device = os.environ.get("ATTNX_TEST_DEVICE") or None
-    return BackendUnderTest(name, backend, device, tuple(backend.float_dtypes))
+    with attnx.use_backend(name):
+        yield BackendUnderTest(name, backend, device, tuple(backend.float_dtypes))
 
 
 # -- the summary per operation ----------------------------------------------
