@@ -5,7 +5,7 @@ registers through the ``attnx.backends`` entry-point group.
 """
 
 from attnx import masks
-from attnx._config import get_backend, set_backend, use_backend
+from attnx._config import get_backend, get_memory_budget, memory_budget, set_backend, set_memory_budget, use_backend
 from attnx._registry import BackendInfo, registry as _registry
 from attnx.additive import additive_attention, bahdanau_context
 from attnx.attention import masked_softmax, scaled_dot_product_attention
@@ -44,6 +44,9 @@ __all__ = [
     "PluginWarning",
     "asarray",
     "get_backend",
+    "get_memory_budget",
+    "memory_budget",
+    "set_memory_budget",
     "hookimpl",
     "list_backends",
     "masked_softmax",

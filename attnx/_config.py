@@ -50,6 +50,43 @@ def use_backend(name: str) -> Iterator[Backend]:
         _context_backend.reset(token)
 
 
+#: Default memory budget for an attention's score matrix, in bytes.
+DEFAULT_MEMORY_BUDGET = 64 * 2**20
+_context_budget: ContextVar[int | None] = ContextVar("attnx_memory_budget", default=None)
+_process_budget: int | None = None
+
+
+def set_memory_budget(nbytes: int | None) -> None:
+    """Set the process-wide memory budget for score matrices (``None``: 64 MiB).
+
+    Attention whose ``(..., n, m)`` scores would exceed it switches to the
+    chunked, memory-efficient algorithm.
+    """
+    global _process_budget
+    _process_budget = _budget(nbytes) if nbytes is not None else None
+
+
+@contextmanager
+def memory_budget(nbytes: int) -> Iterator[None]:
+    """The memory budget for score matrices inside a ``with`` block."""
+    token = _context_budget.set(_budget(nbytes))
+    try:
+        yield
+    finally:
+        _context_budget.reset(token)
+
+
+def get_memory_budget() -> int:
+    """The memory budget in force, in bytes."""
+    return _context_budget.get() or _process_budget or DEFAULT_MEMORY_BUDGET
+
+
+def _budget(nbytes: int) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"memory budget must be a positive number of bytes, got {nbytes!r}")
+    return nbytes
+
+
 def chosen_backend_name() -> tuple[str | None, str]:
     """The backend the user chose (not the default), and how."""
     name = _context_backend.get()

@@ -28,17 +28,29 @@ def _offset(n: int, m: int, align: str) -> int:
     raise ValueError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
 
 
-def _positions(xp: Any, n: int, m: int, align: str, device: Any) -> tuple[Any, Any]:
-    """Query positions aligned to key positions, as (n, 1) and (1, m) grids."""
-    rows = xp.arange(n, device=device)[:, None] + _offset(n, m, align)
-    cols = xp.arange(m, device=device)[None, :]
-    return rows, cols
+Span = tuple[int, int]
 
 
-def causal(xp: Any, n: int, m: int, *, align: str = "bottom_right", device: Any = None) -> Any:
-    """Boolean ``(n, m)``: query ``i`` attends key ``j`` where ``j <= i + offset``."""
-    rows, cols = _positions(xp, n, m, align, device)
-    return cols <= rows
+def _positions(
+    xp: Any, n: int, m: int, align: str, device: Any, rows: Span | None = None, cols: Span | None = None
+) -> tuple[Any, Any]:
+    """Query positions aligned to key positions, as (rows, 1) and (1, cols)
+    grids; ``rows``/``cols`` select a block (a range of queries/keys)."""
+    r0, r1 = rows or (0, n)
+    c0, c1 = cols or (0, m)
+    query_positions = xp.arange(r0, r1, device=device)[:, None] + _offset(n, m, align)
+    key_positions = xp.arange(c0, c1, device=device)[None, :]
+    return query_positions, key_positions
+
+
+def causal(
+    xp: Any, n: int, m: int, *, align: str = "bottom_right", device: Any = None,
+    rows: Span | None = None, cols: Span | None = None,
+) -> Any:
+    """Boolean ``(n, m)`` (or the block ``rows x cols``): query ``i`` attends
+    key ``j`` where ``j <= i + offset``."""
+    query_positions, key_positions = _positions(xp, n, m, align, device, rows, cols)
+    return key_positions <= query_positions
 
 
 def window(
@@ -115,14 +127,33 @@ def check_lengths(
 
 # -- building -------------------------------------------------------------
 
-def lengths_mask(xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int) -> Any:
-    """Boolean mask broadcastable to ``(*batch_shape, n, m)``: keys ``j < length``."""
+def lengths_mask(
+    xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int,
+    rows: Span | None = None, cols: Span | None = None,
+) -> Any:
+    """Boolean mask broadcastable to ``(*batch_shape, n, m)`` (or to the block
+    ``rows x cols``): keys ``j < length``."""
     layout = _lengths_layout(shape_of(key_lengths), batch_shape, n)
     if layout == "batch_first":
         key_lengths = xp.reshape(key_lengths, (key_lengths.shape[0],) + (1,) * (len(batch_shape) - 1))
-    lengths = key_lengths[..., None] if layout == "per_query" else key_lengths[..., None, None]
-    positions = xp.arange(m, device=device_of(key_lengths), dtype=key_lengths.dtype)
+    if layout == "per_query":
+        if rows is not None and key_lengths.shape[-1] != 1:
+            key_lengths = key_lengths[..., rows[0] : rows[1]]
+        lengths = key_lengths[..., None]
+    else:
+        lengths = key_lengths[..., None, None]
+    c0, c1 = cols or (0, m)
+    positions = xp.arange(c0, c1, device=device_of(key_lengths), dtype=key_lengths.dtype)
     return positions < lengths
+
+
+def block(mask: Any, rows: Span | None, cols: Span | None) -> Any:
+    """The ``rows x cols`` block of a mask broadcastable to ``(..., n, m)``."""
+    if rows is not None and mask.shape[-2] != 1:
+        mask = mask[..., rows[0] : rows[1], :]
+    if cols is not None and mask.shape[-1] != 1:
+        mask = mask[..., cols[0] : cols[1]]
+    return mask
 
 
 def combine(
@@ -136,16 +167,20 @@ def combine(
     m: int,
     dtype: Any,
     device: Any,
+    rows: Span | None = None,
+    cols: Span | None = None,
 ) -> tuple[Any, Any]:
     """All masks as ``(allowed, additive)``: a boolean and a real array (each
-    None when absent), both broadcastable to ``(*batch_shape, n, m)``."""
+    None when absent), both broadcastable to ``(*batch_shape, n, m)``, or to
+    the block of queries ``rows`` and keys ``cols`` when given."""
     allowed = additive = None
     if is_causal:
-        allowed = causal(xp, n, m, device=device)
+        allowed = causal(xp, n, m, device=device, rows=rows, cols=cols)
     if key_lengths is not None:
-        padding = lengths_mask(xp, key_lengths, batch_shape, n, m)
+        padding = lengths_mask(xp, key_lengths, batch_shape, n, m, rows, cols)
         allowed = padding if allowed is None else allowed & padding
     if mask is not None:
+        mask = block(mask, rows, cols)
         if mask.dtype == xp.bool:
             allowed = mask if allowed is None else allowed & mask
         else:

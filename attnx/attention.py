@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from attnx import _checks, _dispatch, _masking
+from attnx._config import get_memory_budget
 
 __all__ = ["masked_softmax", "scaled_dot_product_attention"]
 
@@ -23,6 +24,7 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: float | None = None,
     return_weights: bool = False,
+    chunk_size: int | tuple[int, int] | None = None,
     backend: str | None = None,
 ) -> Any:
     r"""Scaled dot-product attention, :math:`\mathrm{softmax}(q k^T s + M) v`.
@@ -53,6 +55,13 @@ def scaled_dot_product_attention(
         Multiplies the scores; ``1 / sqrt(d_k)`` by default.
     return_weights : bool
         Also return the attention weights.
+    chunk_size : int or (int, int), optional
+        Use the memory-efficient algorithm (:func:`sdpa_chunked`) with this
+        many queries (and keys) per block.  By default it is used when the
+        score matrix would exceed the memory budget
+        (:func:`attnx.set_memory_budget`, 64 MiB unless set).  It never
+        materialises the weights, so it can't be combined with
+        ``return_weights=True``.
     backend : str, optional
         Run on this backend; by default the one that owns the inputs.
 
@@ -71,11 +80,14 @@ def scaled_dot_product_attention(
 
     Native implementations are called with the keyword arguments ``query``,
     ``key``, ``value``, ``mask``, ``key_lengths``, ``is_causal``, ``scale``
-    (a float) and ``return_weights``, after validation.
+    (a float), ``return_weights`` and ``chunks`` (None, or the
+    ``(query_chunk, key_chunk)`` the generic algorithm would use), after
+    validation.
     """
     chosen, reason = _dispatch.resolve(_SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths))
     xp = chosen.xp
     scale = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
+    chunks = choose_chunks(xp, query, key, value, chunk_size, return_weights)
     return _dispatch.call(
         _SDPA,
         chosen,
@@ -90,8 +102,46 @@ def scaled_dot_product_attention(
             "is_causal": bool(is_causal),
             "scale": scale,
             "return_weights": return_weights,
+            "chunks": chunks,
         },
     )
+
+
+#: Target size of one block of scores in the chunked algorithm, in bytes:
+#: small enough to stay in cache, large enough for efficient matrix products.
+BLOCK_BYTES = 4 * 2**20
+#: Keys per block (Rabe and Staats use 4096).
+KEY_CHUNK = 4096
+
+
+def choose_chunks(
+    xp: Any, query: Any, key: Any, value: Any, chunk_size: Any, return_weights: bool
+) -> tuple[int, int] | None:
+    """``(query_chunk, key_chunk)`` for the chunked algorithm, or None for the
+    plain one: ``chunk_size`` if given, else chunks when the scores would
+    exceed the memory budget."""
+    n, m = query.shape[-2], key.shape[-2]
+    if chunk_size is not None:
+        if return_weights:
+            raise ValueError(f"{_SDPA}: chunk_size can't be combined with return_weights=True (the chunked algorithm never materialises the weights)")
+        pair = chunk_size if isinstance(chunk_size, tuple) else (chunk_size, KEY_CHUNK)
+        if len(pair) != 2:
+            raise ValueError(f"{_SDPA}: chunk_size must be an int or a (query_chunk, key_chunk) pair, got {chunk_size!r}")
+        query_chunk, key_chunk = (_checks.require_positive_int(_SDPA, "chunk_size", c) for c in pair)
+        return min(query_chunk, max(n, 1)), min(key_chunk, max(m, 1))
+    if return_weights:
+        return None
+    leading = 1
+    for size in _checks.broadcast(_SDPA, {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]}):
+        leading *= size
+    itemsize = 4 if _checks.accumulation_dtype(xp, query.dtype) == xp.float32 else 8
+    if leading * n * m * itemsize <= get_memory_budget():
+        return None
+    key_chunk = min(m, KEY_CHUNK)
+    block_elements = max(1, BLOCK_BYTES // itemsize // leading)
+    while key_chunk > 256 and block_elements // key_chunk < 16:
+        key_chunk //= 2
+    return max(1, min(n, block_elements // key_chunk)), key_chunk
 
 
 def check_attention_inputs(
@@ -144,8 +194,14 @@ def sdpa_generic(
     is_causal: bool,
     scale: float,
     return_weights: bool,
+    chunks: tuple[int, int] | None = None,
 ) -> Any:
     """The generic algorithm, array API only (inputs already validated)."""
+    if chunks is not None:
+        return sdpa_chunked(
+            xp, query=query, key=key, value=value, mask=mask, key_lengths=key_lengths, is_causal=is_causal,
+            scale=scale, query_chunk=chunks[0], key_chunk=chunks[1],
+        )
     dtype = query.dtype
     compute = _checks.accumulation_dtype(xp, dtype)
     if compute != dtype:
@@ -251,3 +307,95 @@ def _masked_softmax_generic(xp: Any, *, scores: Any, mask: Any, key_lengths: Any
     if ndim == 1:
         weights = weights[0, :]
     return xp.moveaxis(weights, -1, axis) if axis != ndim - 1 else weights
+
+
+def _can_mutate(array: Any) -> bool:
+    """In-place updates are safe on this intermediate: its library allows them
+    and it records no gradient (autograd needs the values it saw)."""
+    from array_api_compat import is_writeable_array
+
+    return is_writeable_array(array) and not getattr(array, "requires_grad", False)
+
+
+def sdpa_chunked(
+    xp: Any,
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: float,
+    query_chunk: int,
+    key_chunk: int,
+) -> Any:
+    """Memory-efficient attention (Rabe and Staats 2021; the FlashAttention
+    recurrence), array API only.
+
+    Queries are processed ``query_chunk`` rows at a time and keys
+    ``key_chunk`` columns at a time with a running maximum and sum, so the
+    extra memory is O(query_chunk * key_chunk) per leading index instead of
+    O(n * m).  Masks are built block by block; with ``is_causal`` the key
+    blocks that lie wholly in a query block's future are never visited.
+    The weights are not materialised.
+    """
+    dtype = query.dtype
+    compute = _checks.accumulation_dtype(xp, dtype)
+    if compute != dtype:
+        query, key, value = (xp.astype(a, compute) for a in (query, key, value))
+    n, m = query.shape[-2], key.shape[-2]
+    batch_shape = _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
+    device = _checks.device_of(query)
+    offset = m - n
+    key_t = xp.matrix_transpose(key)
+    blocks = []
+    for r0 in range(0, n, query_chunk):
+        r1 = min(n, r0 + query_chunk)
+        q = query[..., r0:r1, :] * scale
+        # Keys past the last row's causal limit are in every row's future.
+        stop = min(m, max(0, r1 + offset)) if is_causal else m
+        row_max = row_sum = acc = None
+        for c0 in range(0, stop, key_chunk):
+            c1 = min(stop, c0 + key_chunk)
+            scores = q @ key_t[..., c0:c1]
+            # Blocks wholly in the past of every row need no causal mask.
+            needs_causal = is_causal and c1 - 1 > r0 + offset
+            allowed, additive = _masking.combine(
+                xp, mask=mask, key_lengths=key_lengths, is_causal=needs_causal, batch_shape=batch_shape,
+                n=n, m=m, dtype=compute, device=device, rows=(r0, r1), cols=(c0, c1),
+            )
+            masked = allowed is not None or additive is not None
+            mutable = _can_mutate(scores)
+            if additive is not None:
+                scores = scores + additive
+            if allowed is not None:
+                scores = xp.where(allowed, scores, -float("inf"))
+            block_max = xp.max(scores, axis=-1, keepdims=True)
+            new_max = block_max if row_max is None else xp.maximum(row_max, block_max)
+            if masked:  # rows with nothing allowed yet: shift by 0, exp gives zeros
+                new_max = xp.where(new_max == -float("inf"), 0.0, new_max)
+            if mutable:
+                scores -= new_max
+                weights = xp.exp(scores)
+            else:
+                weights = xp.exp(scores - new_max)
+            block_sum = xp.sum(weights, axis=-1, keepdims=True)
+            block_out = weights @ value[..., c0:c1, :]
+            if acc is None:
+                row_sum, acc = block_sum, block_out
+            else:
+                correction = xp.exp(row_max - new_max)
+                row_sum = row_sum * correction + block_sum
+                acc = acc * correction + block_out
+            row_max = new_max
+        if acc is None:  # no key at all for these rows (causal with n > m)
+            lead = batch_shape
+            blocks.append(xp.zeros((*lead, r1 - r0, value.shape[-1]), dtype=compute, device=device))
+            continue
+        # Normalise the (rows, d_v) output, not the (rows, keys) weights.
+        blocks.append(acc / xp.where(row_sum == 0.0, 1.0, row_sum))
+    output = blocks[0] if len(blocks) == 1 else xp.concat(blocks, axis=-2)
+    if output.shape[:-2] != tuple(batch_shape):
+        output = xp.broadcast_to(output, (*batch_shape, *output.shape[-2:]))
+    return xp.astype(output, dtype) if compute != dtype else output

@@ -28,6 +28,7 @@ def multi_head_attention(
     is_causal: bool = False,
     return_weights: bool = False,
     average_weights: bool = True,
+    chunk_size: int | tuple[int, int] | None = None,
     backend: str | None = None,
 ) -> Any:
     """Multi-head attention (Vaswani et al. 2017), with grouped-query heads.
@@ -68,6 +69,9 @@ def multi_head_attention(
     average_weights : bool
         Weights averaged over heads ``(..., n, m)``, or per head
         ``(..., h, n, m)`` when False.
+    chunk_size :
+        As in :func:`attnx.scaled_dot_product_attention` (memory-efficient
+        attention; chosen automatically over the memory budget).
 
     Returns
     -------
@@ -98,7 +102,7 @@ def multi_head_attention(
         {
             "query": query, "key": key, "value": value, "params": params, "layout": layout,
             "mask": mask, "mask_per_head": per_head, "key_lengths": key_lengths, "is_causal": bool(is_causal),
-            "return_weights": return_weights, "average_weights": average_weights,
+            "return_weights": return_weights, "average_weights": average_weights, "chunk_size": chunk_size,
         },
     )
 
@@ -153,6 +157,7 @@ def _split_heads(xp: Any, x: Any, heads: int) -> Any:
 def _multi_head_generic(
     xp: Any, *, query: Any, key: Any, value: Any, params: Mapping[str, Any], layout: dict[str, int],
     mask: Any, mask_per_head: bool, key_lengths: Any, is_causal: bool, return_weights: bool, average_weights: bool,
+    chunk_size: Any = None,
 ) -> Any:
     h, h_kv, d_v = layout["h"], layout["h_kv"], layout["d_v"]
     groups = h // h_kv
@@ -175,7 +180,9 @@ def _multi_head_generic(
             mask = xp.reshape(mask, (*shape[:-3], h_kv, groups, n, m)) if shape[-3] == h else mask[..., None, :, :]
         else:
             mask = mask[..., None, None, :, :]
-    result = scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, return_weights=return_weights)
+    result = scaled_dot_product_attention(
+        q, k, v, mask=mask, is_causal=is_causal, return_weights=return_weights, chunk_size=chunk_size
+    )
     heads, weights = result if return_weights else (result, None)
     lead = heads.shape[:-4]
     heads = xp.reshape(heads, (*lead, h, n, d_v))

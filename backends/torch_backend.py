@@ -81,8 +81,9 @@ class TorchBackend(Backend):
 
 def _scaled_dot_product_attention(
     *, query: Any, key: Any, value: Any, mask: Any, key_lengths: Any, is_causal: bool, scale: float,
-    return_weights: bool,
+    return_weights: bool, chunks: Any = None,
 ) -> Any:
+    # PyTorch's fused kernels are memory-efficient themselves: ``chunks`` is moot.
     if return_weights:
         return NotImplemented  # PyTorch's kernels don't return the weights
     import array_api_compat.torch as xp

@@ -147,3 +147,34 @@ def test_native_override_equals_generic(attnx_backend):
             is_causal=kwargs.get("is_causal", False), scale=0.5, return_weights=False,
         )
         assert_close(native, be.numpy(generic), be, "float64")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("n, m, chunks", [(9, 11, (4, 3)), (11, 6, (3, 4)), (7, 7, (2, 7)), (5, 5, 1)])
+def test_chunked_equals_plain(attnx_backend, case, n, m, chunks):
+    """The memory-efficient algorithm computes the plain algorithm's function."""
+    be = attnx_backend
+    batch = (2, 3)
+    kwargs, _ = _mask_cases(rng(2), batch, n, m)[case]
+    (q, k, v), _ = make_inputs(be, "float64", batch, batch, n, m, 4, 3, seed=3)
+    call = {name: be.array(value, "float64" if value.dtype.kind == "f" else None) if isinstance(value, np.ndarray) else value for name, value in kwargs.items()}
+    plain = attnx.scaled_dot_product_attention(q, k, v, return_weights=True, **call)[0]
+    chunked = attnx.scaled_dot_product_attention(q, k, v, chunk_size=chunks, **call)
+    generic = sdpa_generic(be.xp, query=q, key=k, value=v, mask=call.get("mask"), key_lengths=call.get("key_lengths"),
+                           is_causal=call.get("is_causal", False), scale=0.5, return_weights=False,
+                           chunks=chunks if isinstance(chunks, tuple) else (chunks, chunks))
+    plain_scaled = sdpa_generic(be.xp, query=q, key=k, value=v, mask=call.get("mask"), key_lengths=call.get("key_lengths"),
+                                is_causal=call.get("is_causal", False), scale=0.5, return_weights=False)
+    assert_close(chunked, be.numpy(plain), be, "float64")
+    assert_close(generic, be.numpy(plain_scaled), be, "float64")
+
+
+def test_memory_budget_selects_chunks(attnx_backend):
+    be = attnx_backend
+    (q, k, v), (qr, kr, vr) = make_inputs(be, "float32", (2,), (2,), 64, 64, 8, 8)
+    expected, _ = reference.scaled_dot_product_attention(qr, kr, vr, allowed=reference.allowed_mask(64, 64, batch_shape=(2,), is_causal=True))
+    with attnx.memory_budget(1024):  # far below 2 * 64 * 64 * 4 bytes
+        out = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert_close(out, expected, be, "float32")
+    with pytest.raises(ValueError, match="chunk_size can't be combined with return_weights"):
+        attnx.scaled_dot_product_attention(q, k, v, chunk_size=8, return_weights=True)
