@@ -43,6 +43,17 @@ def _kind(xp: Any, dtype: Any) -> str:
     return "other"
 
 
+_FLOAT_DTYPES: dict[Any, bool] = {}
+
+
+def is_float_dtype(xp: Any, dtype: Any) -> bool:
+    """Fast, cached: whether ``dtype`` is a real floating dtype."""
+    known = _FLOAT_DTYPES.get(dtype)
+    if known is None:
+        known = _FLOAT_DTYPES[dtype] = _kind(xp, dtype) == "float"
+    return known
+
+
 def dtype_kind(xp: Any, array: Any) -> str:
     """``"float"``, ``"int"``, ``"bool"`` or ``"other"`` (cached per dtype)."""
     return _kind(xp, array.dtype)
@@ -68,6 +79,9 @@ def require_same_dtype(operation: str, names: tuple[str, ...], arrays: tuple[Any
 def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
     """Broadcast shapes, or a ValueError naming the arguments that clash."""
     shapes = list(named_shapes.values())
+    first = shapes[0]
+    if all(shape == first for shape in shapes):
+        return tuple(first)
     ndim = max(map(len, shapes), default=0)
     result = [1] * ndim
     for shape in shapes:

@@ -37,11 +37,16 @@ def resolve(
 
     ``names`` are the argument names, used in error messages only.
     """
-    owner = owner_name = None
+    owner = owner_name = owner_array = None
+    known_types = registry._type_owners  # the hot path: one dict lookup per array
     for name, array in zip(names, arrays):
-        if array is None or isinstance(array, _NOT_ARRAYS):
+        if array is None:
             continue
-        found = registry.owner_of(array)
+        found = known_types.get(type(array))
+        if found is None:
+            if isinstance(array, _NOT_ARRAYS):
+                continue
+            found = registry.owner_of(array)
         if found is None:
             if backend is not None and registry.get(backend).owns(array):
                 continue
@@ -51,7 +56,7 @@ def resolve(
                 f"got {_type_name(array)}; convert it with attnx.asarray({name}, backend=...)"
             )
         if owner is None:
-            owner, owner_name = found, name
+            owner, owner_name, owner_array = found, name, array
         elif found is not owner:
             raise TypeError(
                 f"{operation}: inputs come from two backends: {owner_name} is a {owner.name!r} "
@@ -73,7 +78,7 @@ def resolve(
     if owner is not None:
         # Several backends may own one array type (a NumPy-based backend owns
         # NumPy arrays too): the one the user chose wins when it owns them all.
-        preferred, how = chosen_backend_name()
+        preferred, how = chosen_backend_name() if registry.is_shared(type(owner_array)) else (None, "")
         if preferred is not None and preferred != owner.name:
             candidate = registry.get(preferred)
             if all(array is None or isinstance(array, _NOT_ARRAYS) or candidate.owns(array) for array in arrays):

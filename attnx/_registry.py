@@ -62,6 +62,7 @@ class Registry:
         self._entries: dict[str, _Entry] = {}
         self._failures: list[_Entry] = []
         self._type_owners: dict[type, Backend] = {}
+        self._shared_types: set[type] = set()
         self._loaded = False
         self._lock = threading.RLock()
 
@@ -115,6 +116,7 @@ class Registry:
             for backend in backends:
                 self._add_backend(_Entry(backend, name, distribution))
         self._type_owners.clear()
+        self._shared_types.clear()
 
     def _add_backend(self, entry: _Entry) -> None:
         name = entry.backend.name
@@ -148,6 +150,7 @@ class Registry:
             self._entries = {k: e for k, e in self._entries.items() if e.plugin != name}
             self._failures = [e for e in self._failures if e.plugin != name]
             self._type_owners.clear()
+            self._shared_types.clear()
 
     def names(self) -> list[str]:
         self._ensure_loaded()
@@ -171,11 +174,19 @@ class Registry:
         owner = self._type_owners.get(kind)
         if owner is None:
             self._ensure_loaded()
-            for entry in self._entries.values():
-                if entry.backend is not None and entry.backend.owns(array) and entry.reason() is None:
-                    owner = self._type_owners[kind] = entry.backend
-                    break
+            owners = [
+                entry.backend for entry in self._entries.values()
+                if entry.backend is not None and entry.backend.owns(array) and entry.reason() is None
+            ]
+            if owners:
+                owner = self._type_owners[kind] = owners[0]
+                if len(owners) > 1:
+                    self._shared_types.add(kind)
         return owner
+
+    def is_shared(self, kind: type) -> bool:
+        """Whether more than one available backend owns arrays of type ``kind``."""
+        return kind in self._shared_types
 
     def info(self) -> list[BackendInfo]:
         self._ensure_loaded()

@@ -80,14 +80,14 @@ def scaled_dot_product_attention(
 
     Native implementations are called with the keyword arguments ``query``,
     ``key``, ``value``, ``mask``, ``key_lengths``, ``is_causal``, ``scale``
-    (a float), ``return_weights`` and ``chunks`` (None, or the
-    ``(query_chunk, key_chunk)`` the generic algorithm would use), after
-    validation.
+    (a float), ``return_weights``, ``chunks`` (None, or the
+    ``(query_chunk, key_chunk)`` the generic algorithm would use) and
+    ``batch_shape`` (the broadcast leading shape), after validation.
     """
     chosen, reason = _dispatch.resolve(_SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths))
     xp = chosen.xp
-    scale = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
-    chunks = choose_chunks(xp, query, key, value, chunk_size, return_weights)
+    scale, batch_shape = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
+    chunks = choose_chunks(xp, query, key, batch_shape, chunk_size, return_weights)
     return _dispatch.call(
         _SDPA,
         chosen,
@@ -103,6 +103,7 @@ def scaled_dot_product_attention(
             "scale": scale,
             "return_weights": return_weights,
             "chunks": chunks,
+            "batch_shape": batch_shape,
         },
     )
 
@@ -115,7 +116,7 @@ KEY_CHUNK = 4096
 
 
 def choose_chunks(
-    xp: Any, query: Any, key: Any, value: Any, chunk_size: Any, return_weights: bool
+    xp: Any, query: Any, key: Any, batch_shape: tuple[int, ...], chunk_size: Any, return_weights: bool
 ) -> tuple[int, int] | None:
     """``(query_chunk, key_chunk)`` for the chunked algorithm, or None for the
     plain one: ``chunk_size`` if given, else chunks when the scores would
@@ -132,10 +133,13 @@ def choose_chunks(
     if return_weights:
         return None
     leading = 1
-    for size in _checks.broadcast(_SDPA, {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]}):
+    for size in batch_shape:
         leading *= size
+    budget = get_memory_budget()
+    if leading * n * m * 8 <= budget:  # fits even in float64: the common, cheap case
+        return None
     itemsize = 4 if _checks.accumulation_dtype(xp, query.dtype) == xp.float32 else 8
-    if leading * n * m * itemsize <= get_memory_budget():
+    if leading * n * m * itemsize <= budget:
         return None
     key_chunk = min(m, KEY_CHUNK)
     block_elements = max(1, BLOCK_BYTES // itemsize // leading)
@@ -146,39 +150,43 @@ def choose_chunks(
 
 def check_attention_inputs(
     operation: str, xp: Any, query: Any, key: Any, value: Any, mask: Any, key_lengths: Any, scale: Any
-) -> float:
-    """Validate query/key/value/masks; returns the scale as a Python float."""
-    _checks.require_ndim(operation, "query", query, 2, "(..., n, d_k)")
-    _checks.require_ndim(operation, "key", key, 2, "(..., m, d_k)")
-    _checks.require_ndim(operation, "value", value, 2, "(..., m, d_v)")
-    for name, array in (("query", query), ("key", key), ("value", value)):
-        _checks.require_float(operation, xp, name, array)
-    _checks.require_same_dtype(operation, ("query", "key", "value"), (query, key, value))
-    n, d_k = query.shape[-2:]
-    m = key.shape[-2]
-    if key.shape[-1] != d_k:
+) -> tuple[float, tuple[int, ...]]:
+    """Validate query/key/value/masks; returns the scale as a Python float and
+    the broadcast leading shape."""
+    q_shape, k_shape, v_shape = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    if len(q_shape) < 2 or len(k_shape) < 2 or len(v_shape) < 2:
+        _checks.require_ndim(operation, "query", query, 2, "(..., n, d_k)")
+        _checks.require_ndim(operation, "key", key, 2, "(..., m, d_k)")
+        _checks.require_ndim(operation, "value", value, 2, "(..., m, d_v)")
+    dtype = query.dtype
+    if not (_checks.is_float_dtype(xp, dtype) and key.dtype == dtype and value.dtype == dtype):
+        for name, array in (("query", query), ("key", key), ("value", value)):
+            _checks.require_float(operation, xp, name, array)
+        _checks.require_same_dtype(operation, ("query", "key", "value"), (query, key, value))
+    n, d_k = q_shape[-2:]
+    m = k_shape[-2]
+    if k_shape[-1] != d_k:
         raise ValueError(
-            f"{operation}: key must have shape (..., m, d_k) with d_k = {d_k} (from query), "
-            f"got {_checks.shape_of(key)}"
+            f"{operation}: key must have shape (..., m, d_k) with d_k = {d_k} (from query), got {k_shape}"
         )
-    if value.shape[-2] != m:
+    if v_shape[-2] != m:
         raise ValueError(
-            f"{operation}: value must have shape (..., m, d_v) with m = {m} (from key), "
-            f"got {_checks.shape_of(value)}"
+            f"{operation}: value must have shape (..., m, d_v) with m = {m} (from key), got {v_shape}"
         )
-    batch_shape = _checks.broadcast(
-        operation,
-        {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]},
-    )
+    batch_shape = q_shape[:-2]
+    if not batch_shape == k_shape[:-2] == v_shape[:-2]:
+        batch_shape = _checks.broadcast(
+            operation, {"query": batch_shape, "key": k_shape[:-2], "value": v_shape[:-2]}
+        )
     if mask is not None:
         _masking.check_mask(operation, xp, mask, batch_shape, n, m)
     if key_lengths is not None:
         _masking.check_lengths(operation, xp, key_lengths, batch_shape, n, m)
     if scale is None:
-        return 1.0 / math.sqrt(d_k) if d_k else 1.0
+        return (1.0 / math.sqrt(d_k) if d_k else 1.0), batch_shape
     # A Python float keeps NumPy 2 from promoting float32 inputs (NEP 50).
     try:
-        return float(scale)
+        return float(scale), batch_shape
     except TypeError:
         raise TypeError(f"{operation}: scale must be a real number, got {type(scale).__name__}") from None
 
@@ -195,6 +203,7 @@ def sdpa_generic(
     scale: float,
     return_weights: bool,
     chunks: tuple[int, int] | None = None,
+    batch_shape: tuple[int, ...] | None = None,
 ) -> Any:
     """The generic algorithm, array API only (inputs already validated)."""
     if chunks is not None:
@@ -207,9 +216,8 @@ def sdpa_generic(
     if compute != dtype:
         query, key, value = (xp.astype(a, compute) for a in (query, key, value))
     n, m = query.shape[-2], key.shape[-2]
-    batch_shape = tuple(
-        _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
-    )
+    if batch_shape is None:
+        batch_shape = _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
     allowed, additive = _masking.combine(
         xp,
         mask=mask,

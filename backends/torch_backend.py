@@ -11,7 +11,7 @@ import importlib.util
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from attnx import Backend, hookimpl
+from attnx import Backend, _checks, _masking, hookimpl
 
 
 class TorchBackend(Backend):
@@ -81,38 +81,52 @@ class TorchBackend(Backend):
 
 def _scaled_dot_product_attention(
     *, query: Any, key: Any, value: Any, mask: Any, key_lengths: Any, is_causal: bool, scale: float,
-    return_weights: bool, chunks: Any = None,
+    return_weights: bool, chunks: Any = None, batch_shape: Any = None,
 ) -> Any:
     # PyTorch's fused kernels are memory-efficient themselves: ``chunks`` is moot.
     if return_weights:
         return NotImplemented  # PyTorch's kernels don't return the weights
-    import array_api_compat.torch as xp
-    import torch
-    from torch.nn.functional import scaled_dot_product_attention
-
-    from attnx import _masking
-
-    n, m = query.shape[-2], key.shape[-2]
-    leading = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+    fused = _fused_attention or _load()
+    q_shape, k_shape, v_shape = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    n, m = q_shape[-2], k_shape[-2]
+    leading = q_shape[:-2]
+    same_leading = leading == k_shape[:-2] == v_shape[:-2]
+    if not same_leading:
+        leading = batch_shape or _checks.broadcast("", {"q": leading, "k": k_shape[:-2], "v": v_shape[:-2]})
     if mask is None and key_lengths is None and (not is_causal or n == m):
         attn_mask = None  # lets PyTorch pick its fused kernels
     else:
         # The one mask rule of attnx, expressed as PyTorch's single mask.
+        xp = _namespace[0]
         allowed, additive = _masking.combine(
             xp, mask=mask, key_lengths=key_lengths, is_causal=is_causal, batch_shape=tuple(leading),
             n=n, m=m, dtype=query.dtype, device=query.device,
         )
         attn_mask = allowed if additive is None else _masking.as_additive(xp, allowed, additive, query.dtype)
         is_causal = False
-    if len(leading) == 0 or query.shape[:-2] != key.shape[:-2] or key.shape[:-2] != value.shape[:-2]:
+    if not same_leading or len(leading) == 0:
         shape = tuple(leading) or (1,)
-        query = query.expand(*shape, *query.shape[-2:])
-        key = key.expand(*shape, *key.shape[-2:])
-        value = value.expand(*shape, *value.shape[-2:])
-    output = scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale
-    )
-    return output.reshape(*leading, n, value.shape[-1]) if len(leading) == 0 else output
+        query = query.expand(*shape, *q_shape[-2:])
+        key = key.expand(*shape, *k_shape[-2:])
+        value = value.expand(*shape, *v_shape[-2:])
+    output = fused(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    return output.reshape(n, v_shape[-1]) if len(leading) == 0 else output
+
+
+# Imported on first use, then looked up as globals: a per-call import costs
+# microseconds that small inputs notice.
+_fused_attention: Any = None
+_namespace: list[Any] = []
+
+
+def _load() -> Any:
+    global _fused_attention
+    import array_api_compat.torch
+    from torch.nn.functional import scaled_dot_product_attention
+
+    _namespace[:] = [array_api_compat.torch]
+    _fused_attention = scaled_dot_product_attention
+    return _fused_attention
 
 
 @hookimpl
