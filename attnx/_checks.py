@@ -43,14 +43,17 @@ def _kind(xp: Any, dtype: Any) -> str:
     return "other"
 
 
-_FLOAT_DTYPES: dict[Any, bool] = {}
+_FLOAT_DTYPES: dict[tuple[type, Any], bool] = {}
 
 
 def is_float_dtype(xp: Any, dtype: Any) -> bool:
     """Fast, cached: whether ``dtype`` is a real floating dtype."""
-    known = _FLOAT_DTYPES.get(dtype)
+    # Keyed with the dtype's type first, so dtypes of two libraries are never
+    # compared with each other (array-api-strict warns when they are).
+    cache_key = (type(dtype), dtype)
+    known = _FLOAT_DTYPES.get(cache_key)
     if known is None:
-        known = _FLOAT_DTYPES[dtype] = _kind(xp, dtype) == "float"
+        known = _FLOAT_DTYPES[cache_key] = _kind(xp, dtype) == "float"
     return known
 
 
