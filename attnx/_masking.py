@@ -196,18 +196,62 @@ def as_additive(xp: Any, allowed: Any, additive: Any, dtype: Any) -> Any:
     return xp.where(allowed, base, xp.asarray(-float("inf"), dtype=dtype, device=device_of(allowed)))
 
 
-def softmax(xp: Any, scores: Any, allowed: Any = None, additive: Any = None) -> Any:
-    """Stable softmax over the last axis with masks; fully masked rows give zeros."""
+def can_mutate(array: Any) -> bool:
+    """In-place updates are safe on this intermediate: its library allows them
+    and it records no gradient (autograd needs the values it saw)."""
+    from array_api_compat import is_writeable_array
+
+    return is_writeable_array(array) and not getattr(array, "requires_grad", False)
+
+
+def unnormalised_softmax(
+    xp: Any, scores: Any, allowed: Any = None, additive: Any = None, running_max: Any = None
+) -> tuple[Any, Any]:
+    """``(exp(scores - shift), max)`` over the last axis, with masks applied.
+
+    ``scores`` is an intermediate the caller owns: it may be overwritten.
+    ``max`` is the row maximum (combined with ``running_max``, the online
+    softmax's maximum so far), ``-inf`` on a row with nothing allowed;
+    ``shift`` is that maximum with ``-inf`` replaced by 0 (see
+    :func:`finite_shift`), so such a row's exponentials are zeros, not NaN.
+    Masked entries give exactly 0.
+    """
+    mutable = can_mutate(scores)
     if additive is not None:
-        scores = scores + additive
+        if mutable and additive.dtype == scores.dtype:
+            scores += additive
+        else:
+            scores = scores + additive
     if allowed is not None:
         scores = xp.where(allowed, scores, -float("inf"))
     row_max = xp.max(scores, axis=-1, keepdims=True)
-    if allowed is not None or additive is not None:
-        # A fully masked row has max -inf; shift it by 0 so exp gives zeros, not NaN.
-        row_max = xp.where(row_max == -float("inf"), 0.0, row_max)
-    exp_scores = xp.exp(scores - row_max)
+    if running_max is not None:
+        row_max = xp.maximum(running_max, row_max)
+    masked = allowed is not None or additive is not None or running_max is not None
+    shift = finite_shift(xp, row_max) if masked else row_max
+    if mutable:
+        scores -= shift
+        return xp.exp(scores), row_max
+    return xp.exp(scores - shift), row_max
+
+
+def finite_shift(xp: Any, row_max: Any) -> Any:
+    """The softmax shift: the row maximum, or 0 where it is ``-inf``."""
+    return xp.where(row_max == -float("inf"), 0.0, row_max)
+
+
+def safe_total(xp: Any, exp_scores: Any) -> Any:
+    """Row sums of the exponentials, with 1 for fully masked rows (whose
+    exponentials are all 0), so dividing gives zeros, never NaN."""
     total = xp.sum(exp_scores, axis=-1, keepdims=True)
-    if allowed is not None or additive is not None:
-        total = xp.where(total == 0.0, 1.0, total)
+    return xp.where(total == 0.0, 1.0, total)
+
+
+def softmax(xp: Any, scores: Any, allowed: Any = None, additive: Any = None) -> Any:
+    """Stable softmax over the last axis with masks; fully masked rows give zeros."""
+    exp_scores, _ = unnormalised_softmax(xp, scores, allowed, additive)
+    total = safe_total(xp, exp_scores)
+    if can_mutate(exp_scores):
+        exp_scores /= total
+        return exp_scores
     return exp_scores / total

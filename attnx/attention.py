@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 from attnx import _checks, _dispatch, _masking
@@ -59,7 +60,7 @@ def scaled_dot_product_attention(
         Use the memory-efficient algorithm (:func:`sdpa_chunked`) with this
         many queries (and keys) per block.  By default it is used when the
         score matrix would exceed the memory budget
-        (:func:`attnx.set_memory_budget`, 64 MiB unless set).  It never
+        (:func:`attnx.set_memory_budget`, 4 MiB unless set).  It never
         materialises the weights, so it can't be combined with
         ``return_weights=True``.
     backend : str, optional
@@ -230,10 +231,17 @@ def sdpa_generic(
         device=_checks.device_of(query),
     )
     scores = (query * scale) @ xp.matrix_transpose(key)
-    weights = _masking.softmax(xp, scores, allowed, additive)
-    output = weights @ value
+    if return_weights:
+        weights = _masking.softmax(xp, scores, allowed, additive)
+        output = weights @ value
+    else:
+        # Normalise the (n, d_v) output rather than the (n, m) weights.
+        exp_scores, _ = _masking.unnormalised_softmax(xp, scores, allowed, additive)
+        output = (exp_scores @ value) / _masking.safe_total(xp, exp_scores)
+        weights = None
     if compute != dtype:
-        output, weights = xp.astype(output, dtype), xp.astype(weights, dtype)
+        output = xp.astype(output, dtype)
+        weights = None if weights is None else xp.astype(weights, dtype)
     return (output, weights) if return_weights else output
 
 
@@ -317,12 +325,23 @@ def _masked_softmax_generic(xp: Any, *, scores: Any, mask: Any, key_lengths: Any
     return xp.moveaxis(weights, -1, axis) if axis != ndim - 1 else weights
 
 
-def _can_mutate(array: Any) -> bool:
-    """In-place updates are safe on this intermediate: its library allows them
-    and it records no gradient (autograd needs the values it saw)."""
-    from array_api_compat import is_writeable_array
-
-    return is_writeable_array(array) and not getattr(array, "requires_grad", False)
+def _key_blocks(
+    m: int, r0: int, r1: int, offset: int, key_chunk: int, is_causal: bool
+) -> Iterator[tuple[int, int, bool]]:
+    """Key blocks ``(start, stop, needs_causal_mask)`` for the queries
+    ``r0:r1``.  With a causal mask, keys in every row's past come in
+    unmasked blocks, the diagonal band in one masked block, and keys in
+    every row's future are never visited."""
+    if not is_causal:
+        for c0 in range(0, m, key_chunk):
+            yield c0, min(m, c0 + key_chunk), False
+        return
+    past = min(m, max(0, r0 + offset + 1))  # keys j <= r0 + offset: allowed for every row
+    stop = min(m, max(0, r1 + offset))  # keys j >= r1 + offset: future for every row
+    for c0 in range(0, past, key_chunk):
+        yield c0, min(past, c0 + key_chunk), False
+    if stop > past:
+        yield past, stop, True
 
 
 def sdpa_chunked(
@@ -361,39 +380,24 @@ def sdpa_chunked(
     for r0 in range(0, n, query_chunk):
         r1 = min(n, r0 + query_chunk)
         q = query[..., r0:r1, :] * scale
-        # Keys past the last row's causal limit are in every row's future.
-        stop = min(m, max(0, r1 + offset)) if is_causal else m
         row_max = row_sum = acc = None
-        for c0 in range(0, stop, key_chunk):
-            c1 = min(stop, c0 + key_chunk)
+        for c0, c1, needs_causal in _key_blocks(m, r0, r1, offset, key_chunk, is_causal):
             scores = q @ key_t[..., c0:c1]
-            # Blocks wholly in the past of every row need no causal mask.
-            needs_causal = is_causal and c1 - 1 > r0 + offset
             allowed, additive = _masking.combine(
                 xp, mask=mask, key_lengths=key_lengths, is_causal=needs_causal, batch_shape=batch_shape,
                 n=n, m=m, dtype=compute, device=device, rows=(r0, r1), cols=(c0, c1),
             )
-            masked = allowed is not None or additive is not None
-            mutable = _can_mutate(scores)
-            if additive is not None:
-                scores = scores + additive
-            if allowed is not None:
-                scores = xp.where(allowed, scores, -float("inf"))
-            block_max = xp.max(scores, axis=-1, keepdims=True)
-            new_max = block_max if row_max is None else xp.maximum(row_max, block_max)
-            if masked:  # rows with nothing allowed yet: shift by 0, exp gives zeros
-                new_max = xp.where(new_max == -float("inf"), 0.0, new_max)
-            if mutable:
-                scores -= new_max
-                weights = xp.exp(scores)
-            else:
-                weights = xp.exp(scores - new_max)
+            weights, new_max = _masking.unnormalised_softmax(xp, scores, allowed, additive, row_max)
             block_sum = xp.sum(weights, axis=-1, keepdims=True)
             block_out = weights @ value[..., c0:c1, :]
             if acc is None:
                 row_sum, acc = block_sum, block_out
             else:
-                correction = xp.exp(row_max - new_max)
+                # Rescale what was summed under the old shift to the new one.  Rows
+                # with nothing allowed so far hold zeros: their factor is exp(-inf) = 0
+                # (never exp of a huge number, which would give inf * 0 = NaN).
+                exponent = xp.where(row_max == -float("inf"), -float("inf"), row_max - _masking.finite_shift(xp, new_max))
+                correction = xp.exp(exponent)
                 row_sum = row_sum * correction + block_sum
                 acc = acc * correction + block_out
             row_max = new_max

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import asdict
 from collections.abc import Sequence
 
 
@@ -68,6 +70,38 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     return int(pytest.main([*command, *args.pytest_args]))
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib.util
+    from pathlib import Path
+
+    from attnx import benchmark
+
+    baselines = [] if args.no_baselines else ["numpy-textbook"]
+    if not args.no_baselines and importlib.util.find_spec("torch") is not None:
+        baselines.append("torch-sdpa")
+    cases = benchmark.plan(
+        args.backends, args.operations, args.sizes, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+        dtype=args.dtype, repeat=args.repeat, baselines=baselines, device=args.device, threads=args.threads,
+    )
+    results = benchmark.sweep(cases)
+    benchmark.print_table(results)
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    command = "attnx bench " + " ".join(args.argv)
+    (folder / "results.md").write_text(benchmark.markdown(results, command.strip()))
+    (folder / "results.json").write_text(
+        json.dumps([{**asdict(r.case), "median_s": r.median_s, "times_s": r.times_s, "peak_bytes": r.peak_bytes,
+                     "gflops": r.gflops, "error": r.error} for r in results], indent=1)
+    )
+    plots = benchmark.plot(results, folder)
+    print(f"\nwrote {folder / 'results.md'}, {folder / 'results.json'}" + "".join(f", {p}" for p in plots))
+    print(
+        "Read it: 'x fastest baseline' is the time over the fastest baseline at the same size "
+        "(below 1 = faster); the time plot's slope near 2 is attention's O(n^2)."
+    )
+    return 0 if all(r.error is None for r in results) else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attnx", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,11 +116,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     conformance.add_argument("names", nargs="+", metavar="BACKEND")
     conformance.set_defaults(run=cmd_conformance)
+    bench = sub.add_parser("bench", help="time and peak memory across backends, with a report and plots")
+    bench.add_argument("--backends", nargs="+", default=["numpy"], metavar="NAME")
+    bench.add_argument("--operations", nargs="+", default=["sdpa", "sdpa_causal"], metavar="OP",
+                       help="sdpa, sdpa_causal, multi_head_attention, additive_attention")
+    bench.add_argument("--sizes", nargs="+", type=int, default=[128, 256, 512, 1024, 2048], metavar="N",
+                       help="sequence lengths (n = m)")
+    bench.add_argument("--batch", type=int, default=1)
+    bench.add_argument("--heads", type=int, default=8)
+    bench.add_argument("--head-dim", type=int, default=64)
+    bench.add_argument("--dtype", default="float32")
+    bench.add_argument("--repeat", type=int, default=5, help="timed calls per case, after one warm-up")
+    bench.add_argument("--threads", type=int, default=None, help="limit BLAS/PyTorch threads")
+    bench.add_argument("--device", default=None, help="for GPU backends, e.g. cuda:0")
+    bench.add_argument("--no-baselines", action="store_true", help="skip textbook NumPy and PyTorch SDPA")
+    bench.add_argument("--out", default="attnx-bench", help="folder for results.md, results.json and plots")
+    bench.set_defaults(run=cmd_bench)
     # Options attnx does not know (-x, -k EXPR, ...) go on to pytest.
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "conformance":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.pytest_args = [a for a in extra if a != "--"]
+    args.argv = list(sys.argv[2:] if argv is None else argv[1:])
     return args.run(args)
 
 

@@ -178,3 +178,16 @@ def test_memory_budget_selects_chunks(attnx_backend):
     assert_close(out, expected, be, "float32")
     with pytest.raises(ValueError, match="chunk_size can't be combined with return_weights"):
         attnx.scaled_dot_product_attention(q, k, v, chunk_size=8, return_weights=True)
+
+
+def test_chunked_after_fully_masked_block_with_very_negative_scores(attnx_backend):
+    """A row whose first key block is masked and whose later scores are hugely
+    negative: a finite additive mask still defines a softmax there."""
+    be = attnx_backend
+    n, m = 2, 8
+    additive = np.full((n, m), -1e4)
+    additive[:, :4] = -np.inf
+    (q, k, v), (qr, kr, vr) = make_inputs(be, "float64", (), (), n, m, 4, 3, seed=5)
+    expected, _ = reference.scaled_dot_product_attention(qr, kr, vr, additive=additive)
+    out = attnx.scaled_dot_product_attention(q, k, v, mask=be.array(additive, "float64"), chunk_size=(1, 4))
+    assert_close(out, expected, be, "float64")

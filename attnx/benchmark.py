@@ -1,0 +1,451 @@
+"""``attnx bench``: time and peak memory of attention across backends.
+
+Each measurement runs in a fresh process (``python -m attnx.benchmark
+worker CASE``): one array library per process, so OpenBLAS's spinning idle
+threads never slow PyTorch, and the peak memory of one call is read from the
+process's own high-water mark (``/proc/self/status``'s VmHWM, reset through
+``/proc/self/clear_refs`` just before the call; large allocations are forced
+to ``mmap`` so freed memory really leaves).  On CUDA, PyTorch's own counters
+are used instead.
+
+The report compares, for each size, attnx on each backend with the
+baselines a user would otherwise pick, measured in the same run: PyTorch's
+``scaled_dot_product_attention`` called directly and the textbook NumPy
+version.  FLOPs counted: ``4 * batch * heads * n * m * d`` for attention
+(two matrix products), halved for causal masks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Operations a case can time.  Baselines run only the SDPA operations.
+OPERATIONS = ("sdpa", "sdpa_causal", "multi_head_attention", "additive_attention")
+#: Baselines: name -> the library they need.
+BASELINES = {"numpy-textbook": "numpy", "torch-sdpa": "torch"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measurement: an implementation on one input size."""
+
+    implementation: str  # "attnx:<backend>" or a baseline name
+    operation: str
+    batch: int
+    heads: int
+    n: int
+    head_dim: int
+    dtype: str = "float32"
+    repeat: int = 5
+    device: str | None = None
+    threads: int | None = None
+
+    @property
+    def flops(self) -> float:
+        """FLOPs of the attention proper (projections of multi-head attention not counted)."""
+        full = 4.0 * self.batch * self.heads * self.n * self.n * self.head_dim
+        return full / 2 if self.operation == "sdpa_causal" else full
+
+
+@dataclass
+class Result:
+    case: Case
+    median_s: float | None = None
+    times_s: list[float] = field(default_factory=list)
+    peak_bytes: int | None = None
+    error: str | None = None
+
+    @property
+    def gflops(self) -> float | None:
+        return self.case.flops / self.median_s / 1e9 if self.median_s else None
+
+
+# -- the worker: runs in its own process ------------------------------------------
+
+
+def _inputs(case: Case) -> tuple[Any, Any, Any, Any, Callable[[], None]]:
+    """(query, key, value, library, synchronize) for a case, on its library."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    shape = (case.batch, case.heads, case.n, case.head_dim)
+    arrays = [rng.standard_normal(shape).astype(np.float32 if case.dtype == "bfloat16" else case.dtype) for _ in range(3)]
+    library = _library(case)
+    if library == "torch":
+        import torch
+
+        device = case.device or "cpu"
+        tensors = [torch.from_numpy(a).to(device=device, dtype=getattr(torch, case.dtype)) for a in arrays]
+        sync = (lambda: torch.cuda.synchronize(device)) if device.startswith("cuda") else (lambda: None)
+        return (*tensors, torch, sync)
+    if library == "cupy":
+        import cupy
+
+        on_gpu = [cupy.asarray(a) for a in arrays]
+        return (*on_gpu, cupy, lambda: cupy.cuda.Device().synchronize())
+    if library == "numpy":
+        return (*arrays, np, lambda: None)
+    import attnx
+
+    converted = [attnx.asarray(a, backend=library) for a in arrays]
+    backend = attnx._registry.get(library)
+    return (*converted, None, backend.synchronize)
+
+
+def _library(case: Case) -> str:
+    if case.implementation.startswith("attnx:"):
+        return case.implementation.partition(":")[2]
+    return BASELINES[case.implementation]
+
+
+def textbook_attention(q: Any, k: Any, v: Any, causal: bool = False) -> Any:
+    """Attention as the textbooks write it, in NumPy."""
+    import numpy as np
+
+    scores = q @ np.swapaxes(k, -1, -2) / np.float32(math.sqrt(q.shape[-1])).astype(q.dtype)
+    if causal:
+        n = q.shape[-2]
+        scores = np.where(np.tril(np.ones((n, n), dtype=bool)), scores, -np.inf)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights @ v
+
+
+def _callable(case: Case) -> tuple[Callable[[], Any], Callable[[], None]]:
+    q, k, v, library, sync = _inputs(case)
+    causal = case.operation == "sdpa_causal"
+    if case.implementation == "numpy-textbook":
+        return (lambda: textbook_attention(q, k, v, causal)), sync
+    if case.implementation == "torch-sdpa":
+        fused = library.nn.functional.scaled_dot_product_attention
+        return (lambda: fused(q, k, v, is_causal=causal)), sync
+    import attnx
+
+    if case.operation in ("sdpa", "sdpa_causal"):
+        return (lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=causal)), sync
+    backend = _library(case)
+    d_model = case.heads * case.head_dim
+    x = attnx.asarray(attnx.to_numpy(q).transpose(0, 2, 1, 3).reshape(case.batch, case.n, d_model), backend=backend)
+    if case.operation == "multi_head_attention":
+        params = attnx.init_multi_head_params(d_model, case.heads, dtype=case.dtype, backend=backend)
+        return (lambda: attnx.multi_head_attention(x, x, x, params, num_heads=case.heads)), sync
+    if case.operation == "additive_attention":
+        params = attnx.init_multi_head_params(d_model, 1, d_k=case.head_dim, dtype=case.dtype, backend=backend)
+        additive = {"w_q": params["w_q"], "w_k": params["w_k"], "w_v": params["b_q"] + 0.1}
+        return (lambda: attnx.additive_attention(x, x, x, additive)), sync
+    raise ValueError(f"unknown operation {case.operation!r}; choose from {OPERATIONS}")
+
+
+def _rss_kib(field_name: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field_name} not in /proc/self/status")
+
+
+def _peak_extra_bytes(function: Callable[[], Any], sync: Callable[[], None], case: Case) -> int | None:
+    """Peak memory one call adds above what the inputs hold."""
+    if _library(case) == "torch" and (case.device or "cpu").startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        function()
+        sync()
+        return torch.cuda.max_memory_allocated() - base
+    if not os.path.exists("/proc/self/clear_refs"):
+        return None
+    import gc
+
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # reset VmHWM to the current RSS
+    except OSError:
+        return None
+    base = _rss_kib("VmRSS")
+    result = function()
+    sync()
+    peak = _rss_kib("VmHWM")
+    del result
+    return max(0, peak - base) * 1024
+
+
+def run_case(case: Case) -> Result:
+    """Measure one case in this process."""
+    result = Result(case)
+    try:
+        if case.threads:
+            _limit_threads(case.threads)
+        function, sync = _callable(case)
+        function()  # warm-up: lazy imports, kernel selection, allocator growth
+        sync()
+        result.peak_bytes = _peak_extra_bytes(function, sync, case)
+        for _ in range(case.repeat):
+            start = time.perf_counter()
+            function()
+            sync()
+            result.times_s.append(time.perf_counter() - start)
+        result.median_s = statistics.median(result.times_s)
+    except Exception as exc:  # reported in the table, never fatal to the sweep
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _limit_threads(threads: int) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+    except ImportError:
+        pass
+
+
+def _worker(argument: str) -> None:
+    case = Case(**json.loads(argument))
+    result = run_case(case)
+    print(json.dumps({"median_s": result.median_s, "times_s": result.times_s, "peak_bytes": result.peak_bytes, "error": result.error}))
+
+
+def measure(case: Case, timeout: float = 900.0) -> Result:
+    """Measure ``case`` in a fresh process."""
+    env = dict(os.environ)
+    env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # big buffers via mmap: freed memory leaves the RSS
+    if case.threads:
+        for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[name] = str(case.threads)
+    command = [sys.executable, "-m", "attnx.benchmark", "worker", json.dumps(asdict(case))]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Result(case, error=f"timed out after {timeout:.0f} s")
+    if done.returncode != 0 or not done.stdout.strip():
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return Result(case, error=f"worker failed: {last}")
+    data = json.loads(done.stdout.strip().splitlines()[-1])
+    return Result(case, data["median_s"], data["times_s"], data["peak_bytes"], data["error"])
+
+
+# -- the sweep and its report -----------------------------------------------------
+
+
+def plan(
+    backends: Sequence[str],
+    operations: Sequence[str],
+    sizes: Sequence[int],
+    *,
+    batch: int,
+    heads: int,
+    head_dim: int,
+    dtype: str,
+    repeat: int,
+    baselines: Sequence[str],
+    device: str | None = None,
+    threads: int | None = None,
+) -> list[Case]:
+    cases = []
+    for operation in operations:
+        for n in sizes:
+            implementations = [f"attnx:{b}" for b in backends]
+            if operation in ("sdpa", "sdpa_causal"):
+                implementations += list(baselines)
+            for implementation in implementations:
+                cases.append(Case(implementation, operation, batch, heads, n, head_dim, dtype, repeat, device, threads))
+    return cases
+
+
+def _progress(total: int) -> Any:
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+        return progress, progress.add_task("attnx bench", total=total)
+    except ImportError:
+        return None, None
+
+
+def sweep(cases: Sequence[Case]) -> list[Result]:
+    results = []
+    progress, task = _progress(len(cases))
+    if progress is not None:
+        progress.start()
+    try:
+        for index, case in enumerate(cases, 1):
+            label = f"{case.operation} {case.implementation} n={case.n}"
+            if progress is not None:
+                progress.update(task, description=label)
+            else:
+                print(f"[{index}/{len(cases)}] {label}", file=sys.stderr)
+            results.append(measure(case))
+            if progress is not None:
+                progress.advance(task)
+    finally:
+        if progress is not None:
+            progress.stop()
+    return results
+
+
+def ratios(results: Sequence[Result]) -> dict[int, float | None]:
+    """Each result's time over the fastest baseline's at the same operation,
+    size and dtype (baselines measured in the same run)."""
+    fastest: dict[tuple, float] = {}
+    for r in results:
+        if r.case.implementation in BASELINES and r.median_s:
+            key = (r.case.operation, r.case.n, r.case.batch, r.case.heads, r.case.head_dim, r.case.dtype)
+            fastest[key] = min(fastest.get(key, math.inf), r.median_s)
+    out = {}
+    for index, r in enumerate(results):
+        key = (r.case.operation, r.case.n, r.case.batch, r.case.heads, r.case.head_dim, r.case.dtype)
+        out[index] = r.median_s / fastest[key] if r.median_s and key in fastest else None
+    return out
+
+
+def fit_exponent(sizes: Sequence[float], values: Sequence[float]) -> float | None:
+    """Slope of log(value) against log(size), by least squares."""
+    points = [(math.log(s), math.log(v)) for s, v in zip(sizes, values) if v and v > 0]
+    if len(points) < 2:
+        return None
+    mean_x = sum(p[0] for p in points) / len(points)
+    mean_y = sum(p[1] for p in points) / len(points)
+    spread = sum((p[0] - mean_x) ** 2 for p in points)
+    return sum((p[0] - mean_x) * (p[1] - mean_y) for p in points) / spread if spread else None
+
+
+HEADERS = ("operation", "implementation", "shape (B, H, n, d)", "dtype", "median ms", "GFLOP/s", "peak extra MiB", "x fastest baseline")
+
+
+def table_rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
+    relative = ratios(results)
+    rows = []
+    for index, r in enumerate(results):
+        c = r.case
+        shape = f"({c.batch}, {c.heads}, {c.n}, {c.head_dim})"
+        if r.error:
+            rows.append((c.operation, c.implementation, shape, c.dtype, "error", "", "", r.error[:60]))
+            continue
+        rows.append((
+            c.operation, c.implementation, shape, c.dtype,
+            f"{r.median_s * 1e3:.2f}", f"{r.gflops:.1f}",
+            "" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}",
+            "" if relative[index] is None else f"{relative[index]:.2f}",
+        ))
+    return rows
+
+
+def markdown(results: Sequence[Result], command: str) -> str:
+    rows = table_rows(results)
+    lines = [
+        "| " + " | ".join(HEADERS) + " |",
+        "|" + "---|" * len(HEADERS),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+    exponents = []
+    for (operation, implementation), points in _series(results).items():
+        slope = fit_exponent([p[0] for p in points], [p[1] for p in points])
+        if slope is not None:
+            exponents.append(f"- {operation}, {implementation}: time grows as n^{slope:.2f}")
+    return "\n".join([
+        f"Command: `{command}`",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
+        "each row measured in its own process (one array library per process, so OpenBLAS's idle "
+        "threads cannot slow PyTorch); times are medians after one warm-up call; FLOPs = "
+        "4·B·H·n²·d (halved when causal); peak extra memory = the process's high-water mark during "
+        "one call minus its resident memory before it.",
+        "",
+        *lines,
+        "",
+        "Fitted exponents (least squares on log time against log n):",
+        "",
+        *exponents,
+        "",
+    ])
+
+
+def _series(results: Sequence[Result], value: str = "time") -> dict[tuple[str, str], list[tuple[int, float]]]:
+    series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for r in results:
+        measured = r.median_s if value == "time" else (r.peak_bytes / 2**20 if r.peak_bytes is not None else None)
+        if measured:
+            series.setdefault((r.case.operation, r.case.implementation), []).append((r.case.n, measured))
+    return series
+
+
+def plot(results: Sequence[Result], folder: Path) -> list[Path]:
+    """Time and peak memory against n, log-log, one line per implementation."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    for value, ylabel, filename in (("time", "median time (s)", "time.png"), ("memory", "peak extra memory (MiB)", "memory.png")):
+        series = _series(results, value)
+        if not series:
+            continue
+        operations = sorted({op for op, _ in series})
+        figure, axes = plt.subplots(1, len(operations), figsize=(6 * len(operations), 4.5), squeeze=False)
+        for ax, operation in zip(axes[0], operations):
+            for (op, implementation), points in sorted(series.items()):
+                if op != operation:
+                    continue
+                sizes, values = zip(*points)
+                slope = fit_exponent(sizes, values)
+                label = implementation + (f" (slope {slope:.2f})" if slope is not None else "")
+                ax.loglog(sizes, values, "o-", label=label)
+            ax.set_xlabel("sequence length n")
+            ax.set_ylabel(ylabel)
+            ax.set_title(operation)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        figure.tight_layout()
+        path = folder / filename
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+def print_table(results: Sequence[Result]) -> None:
+    rows = table_rows(results)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(*HEADERS, title="attnx bench")
+        for row in rows:
+            table.add_row(*row)
+        Console().print(table)
+    except ImportError:
+        from attnx.cli import _table
+
+        print(_table(HEADERS, rows))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["worker"]:
+        _worker(args[1])
+        return
+    raise SystemExit("usage: attnx bench ... (python -m attnx.benchmark worker CASE is internal)")
+
+
+if __name__ == "__main__":
+    main()
