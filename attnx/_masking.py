@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from array_api_compat import is_writeable_array
+
 from attnx._checks import broadcast, device_of, dtype_kind, dtype_name, shape_of
 
 Align = Literal["bottom_right", "top_left"]
@@ -199,8 +201,6 @@ def as_additive(xp: Any, allowed: Any, additive: Any, dtype: Any) -> Any:
 def can_mutate(array: Any) -> bool:
     """In-place updates are safe on this intermediate: its library allows them
     and it records no gradient (autograd needs the values it saw)."""
-    from array_api_compat import is_writeable_array
-
     return is_writeable_array(array) and not getattr(array, "requires_grad", False)
 
 
@@ -240,17 +240,18 @@ def finite_shift(xp: Any, row_max: Any) -> Any:
     return xp.where(row_max == -float("inf"), 0.0, row_max)
 
 
-def safe_total(xp: Any, exp_scores: Any) -> Any:
+def safe_total(xp: Any, exp_scores: Any, masked: bool = True) -> Any:
     """Row sums of the exponentials, with 1 for fully masked rows (whose
-    exponentials are all 0), so dividing gives zeros, never NaN."""
+    exponentials are all 0), so dividing gives zeros, never NaN.  Without
+    masks every row holds an exp(0) = 1, so no row sums to 0."""
     total = xp.sum(exp_scores, axis=-1, keepdims=True)
-    return xp.where(total == 0.0, 1.0, total)
+    return xp.where(total == 0.0, 1.0, total) if masked else total
 
 
 def softmax(xp: Any, scores: Any, allowed: Any = None, additive: Any = None) -> Any:
     """Stable softmax over the last axis with masks; fully masked rows give zeros."""
     exp_scores, _ = unnormalised_softmax(xp, scores, allowed, additive)
-    total = safe_total(xp, exp_scores)
+    total = safe_total(xp, exp_scores, allowed is not None or additive is not None)
     if can_mutate(exp_scores):
         exp_scores /= total
         return exp_scores

@@ -219,17 +219,19 @@ def sdpa_generic(
     n, m = query.shape[-2], key.shape[-2]
     if batch_shape is None:
         batch_shape = _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
-    allowed, additive = _masking.combine(
-        xp,
-        mask=mask,
-        key_lengths=key_lengths,
-        is_causal=is_causal,
-        batch_shape=batch_shape,
-        n=n,
-        m=m,
-        dtype=compute,
-        device=_checks.device_of(query),
-    )
+    allowed = additive = None
+    if mask is not None or key_lengths is not None or is_causal:
+        allowed, additive = _masking.combine(
+            xp,
+            mask=mask,
+            key_lengths=key_lengths,
+            is_causal=is_causal,
+            batch_shape=batch_shape,
+            n=n,
+            m=m,
+            dtype=compute,
+            device=_checks.device_of(query),
+        )
     scores = (query * scale) @ xp.matrix_transpose(key)
     if return_weights:
         weights = _masking.softmax(xp, scores, allowed, additive)
@@ -237,7 +239,8 @@ def sdpa_generic(
     else:
         # Normalise the (n, d_v) output rather than the (n, m) weights.
         exp_scores, _ = _masking.unnormalised_softmax(xp, scores, allowed, additive)
-        output = (exp_scores @ value) / _masking.safe_total(xp, exp_scores)
+        masked = allowed is not None or additive is not None
+        output = (exp_scores @ value) / _masking.safe_total(xp, exp_scores, masked)
         weights = None
     if compute != dtype:
         output = xp.astype(output, dtype)

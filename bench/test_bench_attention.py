@@ -1,0 +1,102 @@
+"""Scaled dot-product attention: attnx on each backend, PyTorch's SDPA, textbook NumPy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnx
+from attnx.benchmark import textbook_attention
+from conftest import GRID
+
+# (batch, heads, n, head dim)
+SHAPES = {
+    "small": [(1, 8, 128, 64), (1, 8, 512, 64), (4, 8, 512, 64), (1, 8, 2048, 64)],
+    "full": [(b, 8, n, d) for b in (1, 4) for n in (128, 512, 2048, 8192) for d in (64, 128)],
+}[GRID]
+
+
+def flops(shape, causal):
+    b, h, n, d = shape
+    return 4.0 * b * h * n * n * d / (2 if causal else 1)
+
+
+def inputs(backend_name, shape, dtype="float32"):
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+    return [attnx.asarray(a, backend=backend_name, dtype=dtype) for a in arrays]
+
+
+def run(benchmark, function, backend=None):
+    if backend is not None and backend.name != "numpy":
+        def synchronised():
+            result = function()
+            backend.synchronize()
+            return result
+        return benchmark(synchronised)
+    return benchmark(function)
+
+
+def _dtypes():
+    return ["float32", "float16", "bfloat16"] if GRID == "full" else ["float32"]
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_attnx(benchmark, backend, shape, causal, dtype):
+    if dtype not in backend.float_dtypes:
+        pytest.skip(f"{backend.name} has no {dtype}")
+    q, k, v = inputs(backend.name, shape, dtype)
+    benchmark.group = f"sdpa {'causal' if causal else 'full'} {shape} {dtype}"
+    benchmark.extra_info.update(flops=flops(shape, causal), baseline=False)
+    run(benchmark, lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=causal), backend)
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_torch_sdpa_baseline(benchmark, shape, causal, dtype):
+    torch = pytest.importorskip("torch")
+    q, k, v = inputs("torch", shape, dtype)
+    benchmark.group = f"sdpa {'causal' if causal else 'full'} {shape} {dtype}"
+    benchmark.extra_info.update(flops=flops(shape, causal), baseline=True)
+    benchmark(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_numpy_textbook_baseline(benchmark, shape, causal):
+    if shape[2] > 2048:
+        pytest.skip("the textbook version's (n, n) scores need too much memory here")
+    q, k, v = inputs("numpy", shape)
+    benchmark.group = f"sdpa {'causal' if causal else 'full'} {shape} float32"
+    benchmark.extra_info.update(flops=flops(shape, causal), baseline=True)
+    benchmark(lambda: textbook_attention(q, k, v, causal))
+
+
+# -- the cost of dispatch and checks on tiny inputs ------------------------------------
+
+TINY = (1, 1, 16, 16)
+
+
+def test_tiny_attnx(benchmark, backend):
+    q, k, v = inputs(backend.name, TINY)
+    benchmark.group = f"tiny {TINY} on {backend.name}"
+    benchmark.extra_info.update(flops=flops(TINY, False), baseline=False)
+    run(benchmark, lambda: attnx.scaled_dot_product_attention(q, k, v), backend)
+
+
+def test_tiny_torch_direct(benchmark):
+    torch = pytest.importorskip("torch")
+    q, k, v = inputs("torch", TINY)
+    benchmark.group = f"tiny {TINY} on torch"
+    benchmark.extra_info.update(flops=flops(TINY, False), baseline=True)
+    benchmark(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+def test_tiny_numpy_textbook(benchmark):
+    q, k, v = inputs("numpy", TINY)
+    benchmark.group = f"tiny {TINY} on numpy"
+    benchmark.extra_info.update(flops=flops(TINY, False), baseline=True)
+    benchmark(lambda: textbook_attention(q, k, v))
