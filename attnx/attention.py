@@ -114,6 +114,8 @@ def scaled_dot_product_attention(
 BLOCK_BYTES = 4 * 2**20
 #: Keys per block (Rabe and Staats use 4096).
 KEY_CHUNK = 4096
+#: Queries per head and block worth keeping for efficient matrix products.
+MIN_ROWS = 128
 
 
 def choose_chunks(
@@ -143,10 +145,15 @@ def choose_chunks(
     if leading * n * m * itemsize <= budget:
         return None
     key_chunk = min(m, KEY_CHUNK)
-    block_elements = max(1, BLOCK_BYTES // itemsize // leading)
-    while key_chunk > 256 and block_elements // key_chunk < 16:
+    # Blocks of about BLOCK_BYTES, but at least MIN_ROWS queries per head when
+    # that stays within 4 * BLOCK_BYTES: thin blocks make inefficient matrix products.
+    rows = BLOCK_BYTES // (itemsize * leading * key_chunk)
+    while rows < MIN_ROWS and key_chunk > 512 and leading * MIN_ROWS * key_chunk * itemsize > 4 * BLOCK_BYTES:
         key_chunk //= 2
-    return max(1, min(n, block_elements // key_chunk)), key_chunk
+        rows = BLOCK_BYTES // (itemsize * leading * key_chunk)
+    if rows < MIN_ROWS and leading * MIN_ROWS * key_chunk * itemsize <= 4 * BLOCK_BYTES:
+        rows = MIN_ROWS
+    return max(1, min(n, rows)), key_chunk
 
 
 def check_attention_inputs(
@@ -379,11 +386,16 @@ def sdpa_chunked(
     device = _checks.device_of(query)
     offset = m - n
     key_t = xp.matrix_transpose(key)
+    d_v = value.shape[-1]
+    # A column of ones after the values: one matrix product then yields both
+    # the weighted values and the row sums, saving a pass over the scores.
+    ones = xp.ones((*value.shape[:-1], 1), dtype=value.dtype, device=device)
+    value = xp.concat([value, ones], axis=-1)
     blocks = []
     for r0 in range(0, n, query_chunk):
         r1 = min(n, r0 + query_chunk)
         q = query[..., r0:r1, :] * scale
-        row_max = row_sum = acc = None
+        row_max = acc = None
         for c0, c1, needs_causal in _key_blocks(m, r0, r1, offset, key_chunk, is_causal):
             scores = q @ key_t[..., c0:c1]
             allowed, additive = _masking.combine(
@@ -391,25 +403,23 @@ def sdpa_chunked(
                 n=n, m=m, dtype=compute, device=device, rows=(r0, r1), cols=(c0, c1),
             )
             weights, new_max = _masking.unnormalised_softmax(xp, scores, allowed, additive, row_max)
-            block_sum = xp.sum(weights, axis=-1, keepdims=True)
-            block_out = weights @ value[..., c0:c1, :]
+            block_out = weights @ value[..., c0:c1, :]  # (..., rows, d_v + 1)
             if acc is None:
-                row_sum, acc = block_sum, block_out
+                acc = block_out
             else:
                 # Rescale what was summed under the old shift to the new one.  Rows
                 # with nothing allowed so far hold zeros: their factor is exp(-inf) = 0
                 # (never exp of a huge number, which would give inf * 0 = NaN).
                 exponent = xp.where(row_max == -float("inf"), -float("inf"), row_max - _masking.finite_shift(xp, new_max))
-                correction = xp.exp(exponent)
-                row_sum = row_sum * correction + block_sum
-                acc = acc * correction + block_out
+                acc = acc * xp.exp(exponent) + block_out
             row_max = new_max
         if acc is None:  # no key at all for these rows (causal with n > m)
             lead = batch_shape
-            blocks.append(xp.zeros((*lead, r1 - r0, value.shape[-1]), dtype=compute, device=device))
+            blocks.append(xp.zeros((*lead, r1 - r0, d_v), dtype=compute, device=device))
             continue
         # Normalise the (rows, d_v) output, not the (rows, keys) weights.
-        blocks.append(acc / xp.where(row_sum == 0.0, 1.0, row_sum))
+        row_sum = acc[..., d_v:]
+        blocks.append(acc[..., :d_v] / xp.where(row_sum == 0.0, 1.0, row_sum))
     output = blocks[0] if len(blocks) == 1 else xp.concat(blocks, axis=-2)
     if output.shape[:-2] != tuple(batch_shape):
         output = xp.broadcast_to(output, (*batch_shape, *output.shape[-2:]))

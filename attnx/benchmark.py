@@ -424,19 +424,9 @@ def plot(results: Sequence[Result], folder: Path) -> list[Path]:
 
 
 def print_table(results: Sequence[Result]) -> None:
-    rows = table_rows(results)
-    try:
-        from rich.console import Console
-        from rich.table import Table
+    from attnx.cli import _table
 
-        table = Table(*HEADERS, title="attnx bench")
-        for row in rows:
-            table.add_row(*row)
-        Console().print(table)
-    except ImportError:
-        from attnx.cli import _table
-
-        print(_table(HEADERS, rows))
+    print(_table(HEADERS, table_rows(results)))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -67,7 +67,7 @@ def test_mask_builders(attnx_backend, n, m):
 
 def test_masks_combine_and_feed_attention(attnx_backend):
     be = attnx_backend
-    mask = attnx.masks.causal(5, backend=be.name) & attnx.masks.sliding_window(5, window=2, backend=be.name)
+    mask = attnx.masks.causal(5, backend=be.name, device=be.device) & attnx.masks.sliding_window(5, window=2, backend=be.name, device=be.device)
     x = be.array(rng(23).standard_normal((5, 4)), "float64")
     _, weights = attnx.scaled_dot_product_attention(x, x, x, mask=mask, return_weights=True)
     assert (be.numpy(weights)[~be.numpy(mask)] == 0).all()

@@ -65,7 +65,7 @@ def test_rotary_rejects_odd_width(attnx_backend):
 
 def test_learned_positions_same_numbers_everywhere(attnx_backend):
     be = attnx_backend
-    ours = attnx.LearnedPositions(12, 4, seed=9, dtype="float64", backend=be.name)
+    ours = attnx.LearnedPositions(12, 4, seed=9, dtype="float64", backend=be.name, device=be.device)
     theirs = attnx.LearnedPositions(12, 4, seed=9, dtype="float64", backend="numpy")
     np.testing.assert_array_equal(be.numpy(ours.table), theirs.table)
     index = np.array([[0, 11], [5, 5]])

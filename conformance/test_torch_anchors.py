@@ -38,7 +38,7 @@ def test_sdpa_matches_torch(attnx_backend, n, m):
     # attnx aligns is_causal bottom-right; PyTorch top-left: equal when n == m.
     top_left = np.tril(np.ones((n, m), dtype=bool))
     theirs = F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=torch.from_numpy(top_left))
-    compare(attnx.scaled_dot_product_attention(*args, mask=be.array(attnx.masks.causal(n, m, align="top_left"))), theirs)
+    compare(attnx.scaled_dot_product_attention(*args, mask=be.array(top_left)), theirs)
     if n == m:
         compare(attnx.scaled_dot_product_attention(*args, is_causal=True), F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=True))
     padding = torch.arange(m)[None, None, None, :] < torch.from_numpy(lengths)[:, None, None, None]
