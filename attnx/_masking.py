@@ -127,6 +127,18 @@ def check_lengths(
         )
 
 
+def check_masks(
+    operation: str, xp: Any, mask: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int,
+    *, mask_batch_shape: tuple[int, ...] | None = None,
+) -> None:
+    """Check ``mask`` (against ``mask_batch_shape``, default ``batch_shape``)
+    and ``key_lengths`` for scores of shape ``(*batch_shape, n, m)``."""
+    if mask is not None:
+        check_mask(operation, xp, mask, batch_shape if mask_batch_shape is None else mask_batch_shape, n, m)
+    if key_lengths is not None:
+        check_lengths(operation, xp, key_lengths, batch_shape, n, m)
+
+
 # -- building -------------------------------------------------------------
 
 def lengths_mask(

@@ -76,11 +76,7 @@ def check_additive(xp: Any, query: Any, key: Any, value: Any, params: Any, mask:
     _params.matrix(_ADD, xp, params, "w_k", rows=key.shape[-1], rows_name="d_key", cols=hidden, cols_name="h", dtype=query.dtype)
     _params.vector(_ADD, xp, params, "w_v", size=hidden, dtype=query.dtype)
     batch_shape = _checks.broadcast(_ADD, {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
-    n, m = query.shape[-2], key.shape[-2]
-    if mask is not None:
-        _masking.check_mask(_ADD, xp, mask, batch_shape, n, m)
-    if key_lengths is not None:
-        _masking.check_lengths(_ADD, xp, key_lengths, batch_shape, n, m)
+    _masking.check_masks(_ADD, xp, mask, key_lengths, batch_shape, query.shape[-2], key.shape[-2])
 
 
 def additive_scores(xp: Any, query: Any, key: Any, params: Mapping[str, Any]) -> Any:

@@ -186,10 +186,7 @@ def check_attention_inputs(
         batch_shape = _checks.broadcast(
             operation, {"query": batch_shape, "key": k_shape[:-2], "value": v_shape[:-2]}
         )
-    if mask is not None:
-        _masking.check_mask(operation, xp, mask, batch_shape, n, m)
-    if key_lengths is not None:
-        _masking.check_lengths(operation, xp, key_lengths, batch_shape, n, m)
+    _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, n, m)
     if scale is None:
         return (1.0 / math.sqrt(d_k) if d_k else 1.0), batch_shape
     # A Python float keeps NumPy 2 from promoting float32 inputs (NEP 50).
@@ -294,10 +291,7 @@ def masked_softmax(
     if len(moved) == 1:
         moved = (1, *moved)
     batch_shape, n, m = moved[:-2], moved[-2], moved[-1]
-    if mask is not None:
-        _masking.check_mask(operation, xp, mask, batch_shape, n, m)
-    if key_lengths is not None:
-        _masking.check_lengths(operation, xp, key_lengths, batch_shape, n, m)
+    _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, n, m)
     return _dispatch.call(
         operation,
         chosen,

@@ -87,13 +87,8 @@ def multi_head_attention(
     batch_shape = _checks.broadcast(_MHA, {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
     n, m = query.shape[-2], key.shape[-2]
     per_head = mask is not None and mask.ndim == len(batch_shape) + 3
-    if mask is not None:
-        if per_head:
-            _masking.check_mask(_MHA, xp, mask, (*batch_shape, num_heads), n, m)
-        else:
-            _masking.check_mask(_MHA, xp, mask, batch_shape, n, m)
-    if key_lengths is not None:
-        _masking.check_lengths(_MHA, xp, key_lengths, batch_shape, n, m)
+    mask_batch_shape = (*batch_shape, num_heads) if per_head else batch_shape
+    _masking.check_masks(_MHA, xp, mask, key_lengths, batch_shape, n, m, mask_batch_shape=mask_batch_shape)
     return _dispatch.call(
         _MHA,
         chosen,

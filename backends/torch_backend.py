@@ -104,13 +104,19 @@ def _scaled_dot_product_attention(
         )
         attn_mask = allowed if additive is None else _masking.as_additive(xp, allowed, additive, query.dtype)
         is_causal = False
-    if not same_leading or len(leading) == 0:
-        shape = tuple(leading) or (1,)
-        query = query.expand(*shape, *q_shape[-2:])
-        key = key.expand(*shape, *k_shape[-2:])
-        value = value.expand(*shape, *v_shape[-2:])
+    if same_leading and 1 <= len(leading) <= 2:
+        return fused(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    # PyTorch's fused CPU kernels want (batch, heads, n, d): other layouts (no
+    # leading dimension, broadcast heads, 5-D grouped heads) fall back to a
+    # slow path that materialises the scores, so flatten the leading shape.
+    d_k, d_v = q_shape[-1], v_shape[-1]
+    query = query.expand(*leading, n, d_k).reshape(1, -1, n, d_k)
+    key = key.expand(*leading, m, d_k).reshape(1, -1, m, d_k)
+    value = value.expand(*leading, m, d_v).reshape(1, -1, m, d_v)
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(*leading, n, m).reshape(1, -1, n, m)
     output = fused(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
-    return output.reshape(n, v_shape[-1]) if len(leading) == 0 else output
+    return output.reshape(*leading, n, d_v)
 
 
 # Imported on first use, then looked up as globals: a per-call import costs

@@ -1,0 +1,42 @@
+"""`attnx bench` runs a sweep and writes its report (sizes tiny: a test, not a benchmark)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from attnx.benchmark import Case, fit_exponent, ratios, Result
+
+
+def test_bench_writes_table_json_and_plots(tmp_path):
+    out = tmp_path / "report"
+    result = subprocess.run(
+        [sys.executable, "-m", "attnx.cli", "bench", "--sizes", "16", "32", "--heads", "2", "--head-dim", "8",
+         "--repeat", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "x fastest baseline" in result.stdout
+    rows = json.loads((out / "results.json").read_text())
+    implementations = {row["implementation"] for row in rows}
+    assert {"attnx:numpy", "numpy-textbook"} <= implementations
+    assert all(row["error"] is None and row["median_s"] > 0 for row in rows)
+    assert all(row["peak_bytes"] is not None for row in rows)
+    markdown = (out / "results.md").read_text()
+    assert markdown.startswith("Command: `attnx bench --sizes 16 32")
+    assert "time grows as n^" in markdown
+    assert (out / "time.png").stat().st_size > 10_000
+
+
+def test_ratio_is_against_the_fastest_baseline_of_the_same_size():
+    def result(implementation, n, seconds):
+        return Result(Case(implementation, "sdpa", 1, 1, n, 8), median_s=seconds)
+
+    results = [result("attnx:numpy", 16, 3.0), result("numpy-textbook", 16, 2.0), result("torch-sdpa", 16, 1.5), result("attnx:numpy", 32, 1.0)]
+    assert ratios(results) == {0: 2.0, 1: 2.0 / 1.5, 2: 1.0, 3: None}
+
+
+def test_fit_exponent_recovers_a_power_law():
+    sizes = [128, 256, 512, 1024]
+    assert abs(fit_exponent(sizes, [3e-9 * n**2 for n in sizes]) - 2.0) < 1e-9
