@@ -88,7 +88,7 @@ def scaled_dot_product_attention(
     chosen, reason = _dispatch.resolve(_SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths))
     xp = chosen.xp
     scale, batch_shape = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
-    chunks = choose_chunks(xp, query, key, batch_shape, chunk_size, return_weights)
+    chunks = choose_chunks(xp, query, key, batch_shape, chunk_size, return_weights, is_causal)
     return _dispatch.call(
         _SDPA,
         chosen,
@@ -116,10 +116,13 @@ BLOCK_BYTES = 4 * 2**20
 KEY_CHUNK = 4096
 #: Queries per head and block worth keeping for efficient matrix products.
 MIN_ROWS = 128
+#: Query rows per causal block, at least (a block's products waste up to its own square).
+MIN_CAUSAL_ROWS = 64
 
 
 def choose_chunks(
-    xp: Any, query: Any, key: Any, batch_shape: tuple[int, ...], chunk_size: Any, return_weights: bool
+    xp: Any, query: Any, key: Any, batch_shape: tuple[int, ...], chunk_size: Any, return_weights: bool,
+    is_causal: bool = False,
 ) -> tuple[int, int] | None:
     """``(query_chunk, key_chunk)`` for the chunked algorithm, or None for the
     plain one: ``chunk_size`` if given, else chunks when the scores would
@@ -153,6 +156,8 @@ def choose_chunks(
         rows = BLOCK_BYTES // (itemsize * leading * key_chunk)
     if rows < MIN_ROWS and leading * MIN_ROWS * key_chunk * itemsize <= 4 * BLOCK_BYTES:
         rows = MIN_ROWS
+    if is_causal:  # thinner query blocks skip more of the future: about half the work
+        rows = min(rows, max(MIN_CAUSAL_ROWS, n // 8))
     return max(1, min(n, rows)), key_chunk
 
 
@@ -342,6 +347,8 @@ def _key_blocks(
         return
     past = min(m, max(0, r0 + offset + 1))  # keys j <= r0 + offset: allowed for every row
     stop = min(m, max(0, r1 + offset))  # keys j >= r1 + offset: future for every row
+    if past < stop - past:  # a past smaller than the band isn't worth its own products
+        past = 0
     for c0 in range(0, past, key_chunk):
         yield c0, min(past, c0 + key_chunk), False
     if stop > past:

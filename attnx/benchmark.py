@@ -10,8 +10,8 @@ are used instead.
 
 The report compares, for each size, attnx on each backend with the
 baselines a user would otherwise pick, measured in the same run: PyTorch's
-``scaled_dot_product_attention`` called directly and the textbook NumPy
-version.  FLOPs counted: ``4 * batch * heads * n * m * d`` for attention
+``scaled_dot_product_attention`` called directly, the textbook NumPy version,
+and ``jax.nn.dot_product_attention`` under ``jit`` (when JAX is installed).  FLOPs counted: ``4 * batch * heads * n * m * d`` for attention
 (two matrix products), halved for causal masks.
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 #: Operations a case can time.  Baselines run only the SDPA operations.
 OPERATIONS = ("sdpa", "sdpa_causal", "multi_head_attention", "additive_attention")
 #: Baselines: name -> the library they need.
-BASELINES = {"numpy-textbook": "numpy", "torch-sdpa": "torch"}
+BASELINES = {"numpy-textbook": "numpy", "torch-sdpa": "torch", "jax-sdpa": "jax"}
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,12 @@ def _inputs(case: Case) -> tuple[Any, Any, Any, Any, Callable[[], None]]:
         return (*on_gpu, cupy, lambda: cupy.cuda.Device().synchronize())
     if library == "numpy":
         return (*arrays, np, lambda: None)
+    if library == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        on_device = [jnp.asarray(a, dtype=getattr(jnp, case.dtype)) for a in arrays]
+        return (*on_device, jax, lambda: None)
     import attnx
 
     converted = [attnx.asarray(a, backend=library) for a in arrays]
@@ -128,6 +134,13 @@ def _callable(case: Case) -> tuple[Callable[[], Any], Callable[[], None]]:
     causal = case.operation == "sdpa_causal"
     if case.implementation == "numpy-textbook":
         return (lambda: textbook_attention(q, k, v, causal)), sync
+    if case.implementation == "jax-sdpa":
+        # jax.nn.dot_product_attention under jit, with (B, n, H, d) layout; the
+        # result is waited for with block_until_ready.
+        jax = library
+        swap = [jax.numpy.swapaxes(a, 1, 2) for a in (q, k, v)]
+        attend = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal))
+        return (lambda: attend(*swap).block_until_ready()), sync
     if case.implementation == "torch-sdpa":
         fused = library.nn.functional.scaled_dot_product_attention
         return (lambda: fused(q, k, v, is_causal=causal)), sync

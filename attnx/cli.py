@@ -77,8 +77,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from attnx import benchmark
 
     baselines = [] if args.no_baselines else ["numpy-textbook"]
-    if not args.no_baselines and importlib.util.find_spec("torch") is not None:
-        baselines.append("torch-sdpa")
+    for baseline, module in (("torch-sdpa", "torch"), ("jax-sdpa", "jax")):
+        if not args.no_baselines and importlib.util.find_spec(module) is not None:
+            baselines.append(baseline)
     cases = benchmark.plan(
         args.backends, args.operations, args.sizes, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         dtype=args.dtype, repeat=args.repeat, baselines=baselines, device=args.device, threads=args.threads,
@@ -129,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--repeat", type=int, default=5, help="timed calls per case, after one warm-up")
     bench.add_argument("--threads", type=int, default=None, help="limit BLAS/PyTorch threads")
     bench.add_argument("--device", default=None, help="for GPU backends, e.g. cuda:0")
-    bench.add_argument("--no-baselines", action="store_true", help="skip textbook NumPy and PyTorch SDPA")
+    bench.add_argument("--no-baselines", action="store_true", help="skip the baselines (textbook NumPy; PyTorch and JAX SDPA where installed)")
     bench.add_argument("--out", default="attnx-bench", help="folder for results.md, results.json and plots")
     bench.set_defaults(run=cmd_bench)
     # Options attnx does not know (-x, -k EXPR, ...) go on to pytest.
