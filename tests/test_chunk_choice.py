@@ -1,0 +1,43 @@
+"""Which algorithm and which blocks attention picks (sizes only, nothing timed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnx
+from attnx.attention import BLOCK_BYTES, choose_chunks
+
+XP = attnx._registry.get("numpy").xp
+
+
+def chunks(shape, *, causal=False, dtype=np.float32, **kwargs):
+    q = np.zeros(shape, dtype=dtype)
+    return choose_chunks(XP, q, q, shape[:-2], kwargs.get("chunk_size"), kwargs.get("return_weights", False), causal)
+
+
+def test_small_problems_use_the_plain_algorithm():
+    assert chunks((1, 1, 16, 16)) is None
+    assert chunks((1, 8, 128, 64)) is None
+
+
+def test_large_problems_are_chunked_within_the_block_size():
+    rows, keys = chunks((1, 1, 8192, 64))
+    assert rows * keys * 4 <= BLOCK_BYTES and rows >= 128
+    rows, keys = chunks((1, 8, 4096, 64))
+    assert 8 * rows * keys * 4 <= 4 * BLOCK_BYTES
+
+
+def test_causal_blocks_are_thinner():
+    assert chunks((1, 1, 8192, 64), causal=True)[0] <= chunks((1, 1, 8192, 64))[0]
+    assert chunks((1, 8, 512, 64), causal=True)[0] == 64
+
+
+def test_budget_and_explicit_chunk_size():
+    with attnx.memory_budget(2**40):
+        assert chunks((1, 8, 2048, 64)) is None
+    assert chunks((1, 1, 16, 16), chunk_size=4) == (4, 16)
+    assert chunks((1, 1, 16, 16), chunk_size=(4, 8)) == (4, 8)
+    assert chunks((1, 1, 2048, 64), return_weights=True) is None
+    with pytest.raises(ValueError, match="memory budget must be a positive number of bytes"):
+        attnx.set_memory_budget(0)
