@@ -61,7 +61,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
-    import pytest
+    try:
+        import hypothesis  # noqa: F401
+        import pytest
+    except ImportError as exc:
+        print(f"attnx conformance needs the test extra: pip install 'attnx[test]' ({exc})", file=sys.stderr)
+        return 2
 
     # attnx is imported already (this command), so pytest cannot rewrite its asserts: expected.
     command = ["--pyargs", "attnx_conformance", "-p", "no:cacheprovider", "-q", "-W", "ignore::pytest.PytestAssertRewriteWarning"]
@@ -96,6 +101,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     plots = benchmark.plot(results, folder)
     print(f"\nwrote {folder / 'results.md'}, {folder / 'results.json'}" + "".join(f", {p}" for p in plots))
+    if not plots:
+        print("(no plots: pip install 'attnx[bench]' for matplotlib)")
     print(
         "Read it: 'x fastest baseline' is the time over the fastest baseline at the same size "
         "(below 1 = faster); the time plot's slope near 2 is attention's O(n^2)."
