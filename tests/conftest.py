@@ -3,32 +3,19 @@ from __future__ import annotations
 import pytest
 
 import attnx
+from attnx_backends.numpy_backend import NumPyBackend
 
 pytest_plugins = ["pytester"]
 
 
-class LoopbackBackend(attnx.Backend):
+class LoopbackBackend(NumPyBackend):
     """Owns NumPy arrays too (registered after numpy), with a native SDPA that
     records its calls and declines when asked for weights."""
 
     name = "loopback"
-    array_module = "numpy"
 
     def __init__(self):
         self.calls = []
-
-    def namespace(self):
-        import array_api_compat.numpy
-
-        return array_api_compat.numpy
-
-    def asarray(self, obj, *, dtype=None, device=None):
-        import numpy
-
-        return numpy.asarray(obj, dtype=dtype)
-
-    def to_numpy(self, array):
-        return array
 
     def implementations(self):
         return {"scaled_dot_product_attention": self._sdpa}

@@ -5,24 +5,13 @@ from __future__ import annotations
 BROKEN = '''
 import attnx
 from attnx.attention import sdpa_generic
+from attnx_backends.numpy_backend import NumPyBackend
 
 
-class DropsTheScale(attnx.Backend):
+class DropsTheScale(NumPyBackend):
     """Owns NumPy arrays under another name; its native SDPA forgets the scale."""
 
     name = "broken"
-    array_module = "numpy"
-
-    def namespace(self):
-        import array_api_compat.numpy
-        return array_api_compat.numpy
-
-    def asarray(self, obj, *, dtype=None, device=None):
-        import numpy
-        return numpy.asarray(obj, dtype=dtype)
-
-    def to_numpy(self, array):
-        return array
 
     def implementations(self):
         return {"scaled_dot_product_attention": self.sdpa}
