@@ -29,7 +29,7 @@ def make(be, dtype, q_shape, k_shape, d_v, hidden, seed=0):
 @pytest.mark.parametrize("q_shape, k_shape", [((3, 4), (5, 6)), ((2, 1, 4), (2, 7, 3)), ((2, 5, 4), (1, 5, 4))])
 def test_matches_reference(attnx_backend, q_shape, k_shape):
     be = attnx_backend
-    for dtype in ("float32", "float64"):
+    for dtype in be.dtypes:
         arrays, exact = make(be, dtype, q_shape, k_shape, 2, 8)
         params = {n: arrays[n] for n in ("w_q", "w_k", "w_v")}
         out, w = attnx.additive_attention(arrays["q"], arrays["k"], arrays["v"], params, return_weights=True)

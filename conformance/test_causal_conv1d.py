@@ -19,7 +19,7 @@ def test_matches_reference(attnx_backend, x_shape, w_shape, stride, dilation):
     be = attnx_backend
     gen = rng(60)
     x, w, b = gen.standard_normal(x_shape), gen.standard_normal(w_shape), gen.standard_normal(w_shape[0])
-    for dtype in ("float32", "float64"):
+    for dtype in be.dtypes:
         got = attnx.causal_conv1d(be.array(x, dtype), be.array(w, dtype), be.array(b, dtype), stride=stride, dilation=dilation)
         expected = reference.causal_conv1d(*(rounded(a, be, dtype) for a in (x, w, b)), stride=stride, dilation=dilation)
         assert_close(got, expected, be, dtype, scale=10)

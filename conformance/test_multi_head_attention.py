@@ -42,7 +42,7 @@ def test_matches_reference(attnx_backend, config):
     lengths = np.arange(m, m - lead[0], -1) if lead else None
     allowed = reference.allowed_mask(n, m, batch_shape=lead, key_lengths=lengths, lengths_per="batch" if len(lead) > 1 else "sequence", is_causal=True)
     expected, expected_w = reference.multi_head_attention(q, k, v, params, h, h_kv, allowed)
-    for dtype in ("float32", "float64"):
+    for dtype in be.dtypes:
         args = [be.array(a, dtype) for a in (q, k, v)]
         kwargs = dict(num_heads=h, num_kv_heads=h_kv, is_causal=True, key_lengths=None if lengths is None else be.array(lengths))
         out, w = attnx.multi_head_attention(*args, params_on(be, params, dtype), return_weights=True, average_weights=False, **kwargs)

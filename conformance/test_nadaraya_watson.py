@@ -21,7 +21,7 @@ def test_matches_reference(attnx_backend, kernel, d, d_v):
     queries = gen.uniform(-1, 6, (7,) if d is None else (7, d))
     queries[0] = 100.0  # far from every key: zeros for compact kernels
     values = gen.standard_normal((20,) if d_v is None else (20, d_v))
-    for dtype in ("float32", "float64"):
+    for dtype in be.dtypes:
         args = [be.array(a, dtype) for a in (queries, keys, values)]
         out, w = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.7, return_weights=True)
         exact = [rounded(a, be, dtype) for a in (queries, keys, values)]

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.attnx_operation("positional_encodings")
 @pytest.mark.parametrize("num_positions, dim", [(1, 1), (10, 8), (7, 5), (50, 16)])
 def test_sinusoidal_matches_reference(attnx_backend, num_positions, dim):
     be = attnx_backend
-    for dtype in ("float32", "float64"):
+    for dtype in be.dtypes:
         got = attnx.sinusoidal_positions(num_positions, dim, dtype=dtype, backend=be.name)
         assert_close(got, reference.sinusoidal_positions(num_positions, dim), be, dtype)
 
@@ -37,7 +37,7 @@ def test_sinusoidal_relative_rotation(attnx_backend):
 def test_rotary_matches_reference(attnx_backend, shape, positions):
     be = attnx_backend
     x = rng(50).standard_normal(shape)
-    for dtype in ("float32", "float64"):
+    for dtype in be.dtypes:
         pos = None if positions is None else be.array(positions)
         got = attnx.apply_rotary(be.array(x, dtype), pos)
         assert_close(got, reference.apply_rotary(be.numpy(be.array(x, dtype)).astype(np.float64), positions), be, dtype)
