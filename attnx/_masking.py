@@ -262,6 +262,8 @@ def safe_total(xp: Any, exp_scores: Any, masked: bool = True) -> Any:
 
 def softmax(xp: Any, scores: Any, allowed: Any = None, additive: Any = None) -> Any:
     """Stable softmax over the last axis with masks; fully masked rows give zeros."""
+    if scores.shape[-1] == 0:  # nothing to normalise (a maximum of nothing is undefined)
+        return scores
     exp_scores, _ = unnormalised_softmax(xp, scores, allowed, additive)
     total = safe_total(xp, exp_scores, allowed is not None or additive is not None)
     if can_mutate(exp_scores):

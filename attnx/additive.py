@@ -85,6 +85,8 @@ def additive_scores(xp: Any, query: Any, key: Any, params: Mapping[str, Any]) ->
     k = key @ params["w_k"]  # (..., m, h)
     n, m, hidden = q.shape[-2], k.shape[-2], q.shape[-1]
     w_v = params["w_v"]
+    if n == 0:
+        return xp.zeros((*q.shape[:-2], 0, m), dtype=q.dtype, device=_checks.device_of(q))
     step = max(1, CHUNK_ELEMENTS // max(1, m * hidden))
     k = k[..., None, :, :]
     chunks = [

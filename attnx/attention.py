@@ -216,6 +216,9 @@ def sdpa_generic(
     batch_shape: tuple[int, ...] | None = None,
 ) -> Any:
     """The generic algorithm, array API only (inputs already validated)."""
+    n, m = query.shape[-2], key.shape[-2]
+    if n == 0 or m == 0:  # no queries, or no key to attend: zeros, as for fully masked rows
+        return _empty_attention(xp, query, key, value, batch_shape, return_weights)
     if chunks is not None:
         return sdpa_chunked(
             xp, query=query, key=key, value=value, mask=mask, key_lengths=key_lengths, is_causal=is_causal,
@@ -255,6 +258,16 @@ def sdpa_generic(
         output = xp.astype(output, dtype)
         weights = None if weights is None else xp.astype(weights, dtype)
     return (output, weights) if return_weights else output
+
+
+def _empty_attention(xp: Any, query: Any, key: Any, value: Any, batch_shape: Any, return_weights: bool) -> Any:
+    if batch_shape is None:
+        batch_shape = _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
+    n, m, device = query.shape[-2], key.shape[-2], _checks.device_of(query)
+    output = xp.zeros((*batch_shape, n, value.shape[-1]), dtype=query.dtype, device=device)
+    if not return_weights:
+        return output
+    return output, xp.zeros((*batch_shape, n, m), dtype=query.dtype, device=device)
 
 
 def masked_softmax(

@@ -191,3 +191,16 @@ def test_chunked_after_fully_masked_block_with_very_negative_scores(attnx_backen
     expected, _ = reference.scaled_dot_product_attention(qr, kr, vr, additive=additive)
     out = attnx.scaled_dot_product_attention(q, k, v, mask=be.array(additive, "float64"), chunk_size=(1, 4))
     assert_close(out, expected, be, "float64")
+
+
+@pytest.mark.parametrize("n, m", [(0, 3), (3, 0), (0, 0)])
+def test_empty_queries_or_keys(attnx_backend, n, m):
+    """No queries: an empty output; no keys: nothing to attend, so zeros."""
+    be = attnx_backend
+    (q, k, v), _ = make_inputs(be, "float32", (2,), (2,), n, m, 4, 5)
+    for kwargs in ({}, {"chunk_size": 2}, {"is_causal": True}):
+        out = attnx.scaled_dot_product_attention(q, k, v, **kwargs)
+        assert_close(out, np.zeros((2, n, 5)), be, "float32")
+    out, weights = attnx.scaled_dot_product_attention(q, k, v, return_weights=True)
+    assert_close(weights, np.zeros((2, n, m)), be, "float32")
+    assert_close(attnx.masked_softmax(be.array(np.zeros((2, n, m)), "float32")), np.zeros((2, n, m)), be, "float32")

@@ -49,7 +49,9 @@ class ArrayAPIStrictBackend(Backend):
         data = np.asarray(obj)
         if dtype is None:  # keep NumPy's dtype (int32 stays int32)
             dtype = getattr(xp, data.dtype.name)
-        return xp.asarray(data.tolist() if data.ndim else data.item(), dtype=dtype, device=device)
+        # Through a flat list and a reshape, so empty and 0-d arrays keep their shape.
+        flat = xp.asarray(data.ravel().tolist(), dtype=dtype, device=device)
+        return xp.reshape(flat, data.shape)
 
     def to_numpy(self, array: Any) -> Any:
         import numpy as np
