@@ -92,3 +92,24 @@ def _on(be, params):
 def test_family_gradients(attnx_backend, operation):
     make, arrays = _family_cases()[operation]
     check_gradients(attnx_backend, make(attnx_backend), arrays)
+
+
+@pytest.mark.parametrize("return_weights", [False, True], ids=["native-or-generic", "weights-path"])
+def test_sdpa_gradients_equal_pytorchs_own(attnx_backend, return_weights):
+    torch = pytest.importorskip("torch", reason="compares with PyTorch's own gradients")
+    be = attnx_backend
+    if not be.backend.supports_autograd:
+        pytest.skip(f"{be.name} does not declare autograd")
+    gen = rng(6)
+    arrays = [gen.standard_normal(s) for s in ((2, 3, 5, 4), (2, 3, 6, 4), (2, 3, 6, 3))]
+    mask = gen.random((5, 6)) < 0.7
+
+    def ours(q, k, v):
+        result = attnx.scaled_dot_product_attention(q, k, v, mask=be.array(mask), return_weights=return_weights)
+        return result[0] if return_weights else result
+
+    got = be.backend.gradients(ours, [be.array(a, "float64") for a in arrays])
+    leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
+    torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=torch.from_numpy(mask)).sum().backward()
+    for g, leaf in zip(got, leaves):
+        np.testing.assert_allclose(be.numpy(g), leaf.grad.numpy(), rtol=1e-10, atol=1e-12)
