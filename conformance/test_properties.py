@@ -95,3 +95,21 @@ def test_adding_a_constant_to_a_row_changes_nothing(attnx_backend, problem, shif
     out0 = attnx.scaled_dot_product_attention(*args, mask=be.array(base), is_causal=causal)
     out1 = attnx.scaled_dot_product_attention(*args, mask=be.array(row_shift), is_causal=causal)
     np.testing.assert_allclose(be.numpy(out1), be.numpy(out0), rtol=1e-9, atol=1e-10)
+
+
+@SETTINGS
+@given(problem=problems(), query_chunk=st.integers(1, 7), key_chunk=st.integers(1, 7), with_lengths=st.booleans())
+def test_chunked_algorithm_computes_the_plain_one(attnx_backend, problem, query_chunk, key_chunk, with_lengths):
+    """The memory-efficient algorithm (any block sizes) equals the plain one."""
+    from attnx.attention import sdpa_generic
+
+    q, k, v, mask, causal = problem
+    be = attnx_backend
+    args = dict(zip(("query", "key", "value"), (be.array(a, "float64") for a in (q, k, v))))
+    lengths = None
+    if with_lengths and q.ndim > 2:
+        lengths = be.array(np.arange(q.shape[0]) % (k.shape[-2] + 1))
+    common = dict(mask=None if mask is None else be.array(mask), key_lengths=lengths, is_causal=causal, scale=0.7)
+    plain = sdpa_generic(be.xp, **args, **common, return_weights=False)
+    chunked = sdpa_generic(be.xp, **args, **common, return_weights=False, chunks=(query_chunk, key_chunk))
+    np.testing.assert_allclose(be.numpy(chunked), be.numpy(plain), rtol=1e-10, atol=1e-12)
