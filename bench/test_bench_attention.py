@@ -100,3 +100,28 @@ def test_tiny_numpy_textbook(benchmark):
     benchmark.group = f"tiny {TINY} on numpy"
     benchmark.extra_info.update(flops=flops(TINY, False), baseline=True)
     benchmark(lambda: textbook_attention(q, k, v))
+
+
+def inplace_attention(q, k, v, causal=False):
+    """The best plain-NumPy version we know: one head at a time, in place."""
+    out = np.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
+    scale = np.float32(1 / np.sqrt(q.shape[-1])).astype(q.dtype)
+    n = q.shape[-2]
+    future = ~np.tril(np.ones((n, n), dtype=bool)) if causal else None
+    for index in np.ndindex(*q.shape[:-2]):
+        scores = (q[index] * scale) @ k[index].T
+        if causal:
+            scores[future] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        out[index] = (scores @ v[index]) / scores.sum(axis=-1, keepdims=True)
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_numpy_inplace_baseline(benchmark, shape, causal):
+    q, k, v = inputs("numpy", shape)
+    benchmark.group = f"sdpa {'causal' if causal else 'full'} {shape} float32"
+    benchmark.extra_info.update(flops=flops(shape, causal), baseline=True)
+    benchmark(lambda: inplace_attention(q, k, v, causal))
