@@ -6,17 +6,18 @@ registers through the ``attnx.backends`` entry-point group.
 
 from attnx import masks
 from attnx._config import get_backend, get_memory_budget, memory_budget, set_backend, set_memory_budget, use_backend
-from attnx._registry import BackendInfo, registry as _registry
+from attnx._registry import BackendInfo
+from attnx._registry import registry as _registry
 from attnx.additive import additive_attention, bahdanau_context
 from attnx.attention import masked_softmax, scaled_dot_product_attention
+from attnx.backend import Backend
+from attnx.conversion import asarray, list_backends, to_numpy
 from attnx.convolution import causal_conv1d, receptive_field
+from attnx.errors import BackendUnavailableError, PluginError, PluginWarning
+from attnx.hookspecs import hookimpl
 from attnx.kernel_regression import nadaraya_watson
 from attnx.multihead import MultiHeadAttention, init_multi_head_params, multi_head_attention
 from attnx.positional import LearnedPositions, apply_rotary, sinusoidal_positions
-from attnx.backend import Backend
-from attnx.conversion import asarray, list_backends, to_numpy
-from attnx.errors import BackendUnavailableError, PluginError, PluginWarning
-from attnx.hookspecs import hookimpl
 
 __version__ = "0.1.0"
 

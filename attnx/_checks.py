@@ -10,7 +10,10 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from array_api_compat import device as device_of
+import array_api_compat
+
+#: The device an array lives on, for any array API library.
+device_of = array_api_compat.device
 
 
 def shape_of(array: Any) -> tuple[int, ...]:
@@ -64,9 +67,7 @@ def dtype_kind(xp: Any, array: Any) -> str:
 
 def require_float(operation: str, xp: Any, name: str, array: Any) -> None:
     if _kind(xp, array.dtype) != "float":
-        raise TypeError(
-            f"{operation}: {name} must have a real floating-point dtype, got {dtype_name(array)}"
-        )
+        raise TypeError(f"{operation}: {name} must have a real floating-point dtype, got {dtype_name(array)}")
 
 
 def require_same_dtype(operation: str, names: tuple[str, ...], arrays: tuple[Any, ...]) -> None:

@@ -46,8 +46,14 @@ def _positions(
 
 
 def causal(
-    xp: Any, n: int, m: int, *, align: str = "bottom_right", device: Any = None,
-    rows: Span | None = None, cols: Span | None = None,
+    xp: Any,
+    n: int,
+    m: int,
+    *,
+    align: str = "bottom_right",
+    device: Any = None,
+    rows: Span | None = None,
+    cols: Span | None = None,
 ) -> Any:
     """Boolean ``(n, m)`` (or the block ``rows x cols``): query ``i`` attends
     key ``j`` where ``j <= i + offset``."""
@@ -56,7 +62,13 @@ def causal(
 
 
 def window(
-    xp: Any, n: int, m: int, left: int | None, right: int | None, *, align: str = "bottom_right",
+    xp: Any,
+    n: int,
+    m: int,
+    left: int | None,
+    right: int | None,
+    *,
+    align: str = "bottom_right",
     device: Any = None,
 ) -> Any:
     """Boolean ``(n, m)``: keys from ``left`` before to ``right`` after the query."""
@@ -74,6 +86,7 @@ def window(
 
 # -- checks ---------------------------------------------------------------
 
+
 def check_mask(operation: str, xp: Any, mask: Any, batch_shape: tuple[int, ...], n: int, m: int) -> None:
     kind = dtype_kind(xp, mask)
     if kind not in ("bool", "float"):
@@ -84,8 +97,7 @@ def check_mask(operation: str, xp: Any, mask: Any, batch_shape: tuple[int, ...],
     target = (*batch_shape, n, m)
     if broadcast(operation, {"mask": shape_of(mask), "scores": target}) != target:
         raise ValueError(
-            f"{operation}: mask must broadcast to the scores' shape (..., n, m) = {target}, "
-            f"got shape {shape_of(mask)}"
+            f"{operation}: mask must broadcast to the scores' shape (..., n, m) = {target}, got shape {shape_of(mask)}"
         )
 
 
@@ -107,9 +119,7 @@ def _lengths_layout(shape: tuple[int, ...], batch_shape: tuple[int, ...], n: int
     return None
 
 
-def check_lengths(
-    operation: str, xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int
-) -> None:
+def check_lengths(operation: str, xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int) -> None:
     if dtype_kind(xp, key_lengths) != "int":
         raise TypeError(f"{operation}: key_lengths must have an integer dtype, got {dtype_name(key_lengths)}")
     shape = shape_of(key_lengths)
@@ -122,14 +132,20 @@ def check_lengths(
     if xp.any(key_lengths < 0) or xp.any(key_lengths > m):
         low, high = int(xp.min(key_lengths)), int(xp.max(key_lengths))
         raise ValueError(
-            f"{operation}: key_lengths must lie in [0, m] with m = {m} keys, "
-            f"got values from {low} to {high}"
+            f"{operation}: key_lengths must lie in [0, m] with m = {m} keys, got values from {low} to {high}"
         )
 
 
 def check_masks(
-    operation: str, xp: Any, mask: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int,
-    *, mask_batch_shape: tuple[int, ...] | None = None,
+    operation: str,
+    xp: Any,
+    mask: Any,
+    key_lengths: Any,
+    batch_shape: tuple[int, ...],
+    n: int,
+    m: int,
+    *,
+    mask_batch_shape: tuple[int, ...] | None = None,
 ) -> None:
     """Check ``mask`` (against ``mask_batch_shape``, default ``batch_shape``)
     and ``key_lengths`` for scores of shape ``(*batch_shape, n, m)``."""
@@ -141,9 +157,15 @@ def check_masks(
 
 # -- building -------------------------------------------------------------
 
+
 def lengths_mask(
-    xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int,
-    rows: Span | None = None, cols: Span | None = None,
+    xp: Any,
+    key_lengths: Any,
+    batch_shape: tuple[int, ...],
+    n: int,
+    m: int,
+    rows: Span | None = None,
+    cols: Span | None = None,
 ) -> Any:
     """Boolean mask broadcastable to ``(*batch_shape, n, m)`` (or to the block
     ``rows x cols``): keys ``j < length``."""

@@ -14,28 +14,44 @@ def require_mapping(operation: str, params: Any, *, required: tuple[str, ...], o
         raise TypeError(f"{operation}: params must be a mapping of names to arrays, got {type(params).__name__}")
     missing = [name for name in required if params.get(name) is None]
     if missing:
-        raise ValueError(f"{operation}: params is missing {', '.join(map(repr, missing))}; it needs {', '.join(required)}")
+        raise ValueError(
+            f"{operation}: params is missing {', '.join(map(repr, missing))}; it needs {', '.join(required)}"
+        )
     unknown = sorted(set(params) - set(required) - set(optional))
     if unknown:
-        raise ValueError(f"{operation}: params has unknown entries {unknown}; expected {', '.join(required + optional)}")
+        raise ValueError(
+            f"{operation}: params has unknown entries {unknown}; expected {', '.join(required + optional)}"
+        )
 
 
 def _check_dtype(operation: str, xp: Any, name: str, array: Any, dtype: Any) -> None:
     _checks.require_float(operation, xp, f"params[{name!r}]", array)
     if dtype is not None and array.dtype != dtype:
-        raise TypeError(f"{operation}: params[{name!r}] has dtype {_checks.dtype_name(array)} but the inputs have {str(dtype).rpartition('.')[2]}")
+        raise TypeError(
+            f"{operation}: params[{name!r}] has dtype {_checks.dtype_name(array)} but the inputs have {str(dtype).rpartition('.')[2]}"
+        )
 
 
 def matrix(
-    operation: str, xp: Any, params: Mapping[str, Any], name: str, *, rows: int, rows_name: str,
-    cols: int | None = None, cols_name: str = "", dtype: Any = None,
+    operation: str,
+    xp: Any,
+    params: Mapping[str, Any],
+    name: str,
+    *,
+    rows: int,
+    rows_name: str,
+    cols: int | None = None,
+    cols_name: str = "",
+    dtype: Any = None,
 ) -> Any:
     """``params[name]``, checked to be a ``(rows, cols)`` matrix."""
     w = params[name]
     expected = f"({rows_name}, {cols_name or 'any'})"
     if w.ndim != 2 or w.shape[0] != rows or (cols is not None and w.shape[1] != cols):
         wanted = (rows, cols) if cols is not None else (rows, "*")
-        raise ValueError(f"{operation}: params[{name!r}] must have shape {expected} = {wanted}, got {_checks.shape_of(w)}")
+        raise ValueError(
+            f"{operation}: params[{name!r}] must have shape {expected} = {wanted}, got {_checks.shape_of(w)}"
+        )
     _check_dtype(operation, xp, name, w, dtype)
     return w
 
@@ -84,4 +100,9 @@ def create(
     dtype = "float32" if dtype is None else dtype
     if not isinstance(dtype, str):
         dtype = str(dtype).rpartition(".")[2]
-    return {name: chosen.asarray(value.astype(np.float32) if dtype == "bfloat16" else value.astype(dtype), dtype=dtype, device=device) for name, value in drawn.items()}
+    return {
+        name: chosen.asarray(
+            value.astype(np.float32) if dtype == "bfloat16" else value.astype(dtype), dtype=dtype, device=device
+        )
+        for name, value in drawn.items()
+    }

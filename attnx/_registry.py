@@ -175,7 +175,8 @@ class Registry:
         if owner is None:
             self._ensure_loaded()
             owners = [
-                entry.backend for entry in self._entries.values()
+                entry.backend
+                for entry in self._entries.values()
                 if entry.backend is not None and entry.backend.owns(array) and entry.reason() is None
             ]
             if owners:
@@ -200,9 +201,7 @@ class Registry:
                     devices = tuple(_device_label(d) for d in entry.backend.devices())
                 except Exception as exc:
                     reason = f"failed to query: {exc!r}"
-            rows.append(
-                BackendInfo(name, reason is None, reason, version, devices or (), entry.distribution)
-            )
+            rows.append(BackendInfo(name, reason is None, reason, version, devices or (), entry.distribution))
         for entry in self._failures:
             if entry.plugin not in self._entries:
                 rows.append(BackendInfo(entry.plugin, False, entry.error, None, (), entry.distribution))

@@ -54,26 +54,47 @@ def additive_attention(
     """
     names = ("query", "key", "value", "mask", "key_lengths", "params['w_q']", "params['w_k']", "params['w_v']")
     getter = params.get if isinstance(params, Mapping) else (lambda name: None)
-    chosen, reason = _dispatch.resolve(_ADD, backend, names, (query, key, value, mask, key_lengths, getter("w_q"), getter("w_k"), getter("w_v")))
+    chosen, reason = _dispatch.resolve(
+        _ADD, backend, names, (query, key, value, mask, key_lengths, getter("w_q"), getter("w_k"), getter("w_v"))
+    )
     xp = chosen.xp
     check_additive(xp, query, key, value, params, mask, key_lengths)
     return _dispatch.call(
-        _ADD, chosen, reason, _additive_generic,
-        {"query": query, "key": key, "value": value, "params": params, "mask": mask, "key_lengths": key_lengths, "return_weights": return_weights},
+        _ADD,
+        chosen,
+        reason,
+        _additive_generic,
+        {
+            "query": query,
+            "key": key,
+            "value": value,
+            "params": params,
+            "mask": mask,
+            "key_lengths": key_lengths,
+            "return_weights": return_weights,
+        },
     )
 
 
 def check_additive(xp: Any, query: Any, key: Any, value: Any, params: Any, mask: Any, key_lengths: Any) -> None:
-    for name, array, layout in (("query", query, "(..., n, d_query)"), ("key", key, "(..., m, d_key)"), ("value", value, "(..., m, d_v)")):
+    for name, array, layout in (
+        ("query", query, "(..., n, d_query)"),
+        ("key", key, "(..., m, d_key)"),
+        ("value", value, "(..., m, d_v)"),
+    ):
         _checks.require_ndim(_ADD, name, array, 2, layout)
         _checks.require_float(_ADD, xp, name, array)
     _checks.require_same_dtype(_ADD, ("query", "key", "value"), (query, key, value))
     if key.shape[-2] != value.shape[-2]:
-        raise ValueError(f"{_ADD}: value must have m = {key.shape[-2]} positions (from key), got shape {_checks.shape_of(value)}")
+        raise ValueError(
+            f"{_ADD}: value must have m = {key.shape[-2]} positions (from key), got shape {_checks.shape_of(value)}"
+        )
     _params.require_mapping(_ADD, params, required=("w_q", "w_k", "w_v"), optional=())
     w_q = _params.matrix(_ADD, xp, params, "w_q", rows=query.shape[-1], rows_name="d_query", dtype=query.dtype)
     hidden = w_q.shape[1]
-    _params.matrix(_ADD, xp, params, "w_k", rows=key.shape[-1], rows_name="d_key", cols=hidden, cols_name="h", dtype=query.dtype)
+    _params.matrix(
+        _ADD, xp, params, "w_k", rows=key.shape[-1], rows_name="d_key", cols=hidden, cols_name="h", dtype=query.dtype
+    )
     _params.vector(_ADD, xp, params, "w_v", size=hidden, dtype=query.dtype)
     batch_shape = _checks.broadcast(_ADD, {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
     _masking.check_masks(_ADD, xp, mask, key_lengths, batch_shape, query.shape[-2], key.shape[-2])
@@ -90,20 +111,34 @@ def additive_scores(xp: Any, query: Any, key: Any, params: Mapping[str, Any]) ->
     step = max(1, CHUNK_ELEMENTS // max(1, m * hidden))
     k = k[..., None, :, :]
     chunks = [
-        xp.sum(xp.tanh(q[..., start : min(start + step, n), None, :] + k) * w_v, axis=-1)
-        for start in range(0, n, step)
+        xp.sum(xp.tanh(q[..., start : min(start + step, n), None, :] + k) * w_v, axis=-1) for start in range(0, n, step)
     ]
     return chunks[0] if len(chunks) == 1 else xp.concat(chunks, axis=-2)
 
 
 def _additive_generic(
-    xp: Any, *, query: Any, key: Any, value: Any, params: Mapping[str, Any], mask: Any, key_lengths: Any, return_weights: bool
+    xp: Any,
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    params: Mapping[str, Any],
+    mask: Any,
+    key_lengths: Any,
+    return_weights: bool,
 ) -> Any:
     scores = additive_scores(xp, query, key, params)
     batch_shape = _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
     allowed, additive = _masking.combine(
-        xp, mask=mask, key_lengths=key_lengths, is_causal=False, batch_shape=batch_shape,
-        n=query.shape[-2], m=key.shape[-2], dtype=scores.dtype, device=_checks.device_of(query),
+        xp,
+        mask=mask,
+        key_lengths=key_lengths,
+        is_causal=False,
+        batch_shape=batch_shape,
+        n=query.shape[-2],
+        m=key.shape[-2],
+        dtype=scores.dtype,
+        device=_checks.device_of(query),
     )
     weights = _masking.softmax(xp, scores, allowed, additive)
     output = weights @ value
@@ -142,9 +177,13 @@ def bahdanau_context(
     weights : array, shape (..., T), only with ``return_weights=True``
     """
     if getattr(decoder_state, "ndim", 1) < 1:
-        raise ValueError(f"bahdanau_context: decoder_state must have shape (..., d_s), got {_checks.shape_of(decoder_state)}")
+        raise ValueError(
+            f"bahdanau_context: decoder_state must have shape (..., d_s), got {_checks.shape_of(decoder_state)}"
+        )
     query = decoder_state[..., None, :]
-    result = additive_attention(query, annotations, annotations, params, key_lengths=key_lengths, return_weights=return_weights, backend=backend)
+    result = additive_attention(
+        query, annotations, annotations, params, key_lengths=key_lengths, return_weights=return_weights, backend=backend
+    )
     if return_weights:
         return result[0][..., 0, :], result[1][..., 0, :]
     return result[..., 0, :]

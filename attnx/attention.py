@@ -121,7 +121,12 @@ MIN_CAUSAL_ROWS = 64
 
 
 def choose_chunks(
-    xp: Any, query: Any, key: Any, batch_shape: tuple[int, ...], chunk_size: Any, return_weights: bool,
+    xp: Any,
+    query: Any,
+    key: Any,
+    batch_shape: tuple[int, ...],
+    chunk_size: Any,
+    return_weights: bool,
     is_causal: bool = False,
 ) -> tuple[int, int] | None:
     """``(query_chunk, key_chunk)`` for the chunked algorithm, or None for the
@@ -130,10 +135,14 @@ def choose_chunks(
     n, m = query.shape[-2], key.shape[-2]
     if chunk_size is not None:
         if return_weights:
-            raise ValueError(f"{_SDPA}: chunk_size can't be combined with return_weights=True (the chunked algorithm never materialises the weights)")
+            raise ValueError(
+                f"{_SDPA}: chunk_size can't be combined with return_weights=True (the chunked algorithm never materialises the weights)"
+            )
         pair = chunk_size if isinstance(chunk_size, tuple) else (chunk_size, KEY_CHUNK)
         if len(pair) != 2:
-            raise ValueError(f"{_SDPA}: chunk_size must be an int or a (query_chunk, key_chunk) pair, got {chunk_size!r}")
+            raise ValueError(
+                f"{_SDPA}: chunk_size must be an int or a (query_chunk, key_chunk) pair, got {chunk_size!r}"
+            )
         query_chunk, key_chunk = (_checks.require_positive_int(_SDPA, "chunk_size", c) for c in pair)
         return min(query_chunk, max(n, 1)), min(key_chunk, max(m, 1))
     if return_weights:
@@ -179,18 +188,12 @@ def check_attention_inputs(
     n, d_k = q_shape[-2:]
     m = k_shape[-2]
     if k_shape[-1] != d_k:
-        raise ValueError(
-            f"{operation}: key must have shape (..., m, d_k) with d_k = {d_k} (from query), got {k_shape}"
-        )
+        raise ValueError(f"{operation}: key must have shape (..., m, d_k) with d_k = {d_k} (from query), got {k_shape}")
     if v_shape[-2] != m:
-        raise ValueError(
-            f"{operation}: value must have shape (..., m, d_v) with m = {m} (from key), got {v_shape}"
-        )
+        raise ValueError(f"{operation}: value must have shape (..., m, d_v) with m = {m} (from key), got {v_shape}")
     batch_shape = q_shape[:-2]
     if not batch_shape == k_shape[:-2] == v_shape[:-2]:
-        batch_shape = _checks.broadcast(
-            operation, {"query": batch_shape, "key": k_shape[:-2], "value": v_shape[:-2]}
-        )
+        batch_shape = _checks.broadcast(operation, {"query": batch_shape, "key": k_shape[:-2], "value": v_shape[:-2]})
     _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, n, m)
     if scale is None:
         return (1.0 / math.sqrt(d_k) if d_k else 1.0), batch_shape
@@ -221,8 +224,16 @@ def sdpa_generic(
         return _empty_attention(xp, query, key, value, batch_shape, return_weights)
     if chunks is not None:
         return sdpa_chunked(
-            xp, query=query, key=key, value=value, mask=mask, key_lengths=key_lengths, is_causal=is_causal,
-            scale=scale, query_chunk=chunks[0], key_chunk=chunks[1],
+            xp,
+            query=query,
+            key=key,
+            value=value,
+            mask=mask,
+            key_lengths=key_lengths,
+            is_causal=is_causal,
+            scale=scale,
+            query_chunk=chunks[0],
+            key_chunk=chunks[1],
         )
     dtype = query.dtype
     compute = _checks.accumulation_dtype(xp, dtype)
@@ -297,7 +308,9 @@ def masked_softmax(
         where every entry is masked.
     """
     operation = "masked_softmax"
-    chosen, reason = _dispatch.resolve(operation, backend, ("scores", "mask", "key_lengths"), (scores, mask, key_lengths))
+    chosen, reason = _dispatch.resolve(
+        operation, backend, ("scores", "mask", "key_lengths"), (scores, mask, key_lengths)
+    )
     xp = chosen.xp
     _checks.require_ndim(operation, "scores", scores, 1, "(..., m)")
     _checks.require_float(operation, xp, "scores", scores)
@@ -413,8 +426,17 @@ def sdpa_chunked(
         for c0, c1, needs_causal in _key_blocks(m, r0, r1, offset, key_chunk, is_causal):
             scores = q @ key_t[..., c0:c1]
             allowed, additive = _masking.combine(
-                xp, mask=mask, key_lengths=key_lengths, is_causal=needs_causal, batch_shape=batch_shape,
-                n=n, m=m, dtype=compute, device=device, rows=(r0, r1), cols=(c0, c1),
+                xp,
+                mask=mask,
+                key_lengths=key_lengths,
+                is_causal=needs_causal,
+                batch_shape=batch_shape,
+                n=n,
+                m=m,
+                dtype=compute,
+                device=device,
+                rows=(r0, r1),
+                cols=(c0, c1),
             )
             weights, new_max = _masking.unnormalised_softmax(xp, scores, allowed, additive, row_max)
             block_out = weights @ value[..., c0:c1, :]  # (..., rows, d_v + 1)
@@ -424,7 +446,9 @@ def sdpa_chunked(
                 # Rescale what was summed under the old shift to the new one.  Rows
                 # with nothing allowed so far hold zeros: their factor is exp(-inf) = 0
                 # (never exp of a huge number, which would give inf * 0 = NaN).
-                exponent = xp.where(row_max == -float("inf"), -float("inf"), row_max - _masking.finite_shift(xp, new_max))
+                exponent = xp.where(
+                    row_max == -float("inf"), -float("inf"), row_max - _masking.finite_shift(xp, new_max)
+                )
                 acc = acc * xp.exp(exponent) + block_out
             row_max = new_max
         if acc is None:  # no key at all for these rows (causal with n > m)

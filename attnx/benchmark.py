@@ -80,7 +80,9 @@ def _inputs(case: Case) -> tuple[Any, Any, Any, Any, Callable[[], None]]:
 
     rng = np.random.default_rng(0)
     shape = (case.batch, case.heads, case.n, case.head_dim)
-    arrays = [rng.standard_normal(shape).astype(np.float32 if case.dtype == "bfloat16" else case.dtype) for _ in range(3)]
+    arrays = [
+        rng.standard_normal(shape).astype(np.float32 if case.dtype == "bfloat16" else case.dtype) for _ in range(3)
+    ]
     library = _library(case)
     if library == "torch":
         import torch
@@ -233,7 +235,16 @@ def _limit_threads(threads: int) -> None:
 def _worker(argument: str) -> None:
     case = Case(**json.loads(argument))
     result = run_case(case)
-    print(json.dumps({"median_s": result.median_s, "times_s": result.times_s, "peak_bytes": result.peak_bytes, "error": result.error}))
+    print(
+        json.dumps(
+            {
+                "median_s": result.median_s,
+                "times_s": result.times_s,
+                "peak_bytes": result.peak_bytes,
+                "error": result.error,
+            }
+        )
+    )
 
 
 def measure(case: Case, timeout: float = 900.0) -> Result:
@@ -288,7 +299,12 @@ def _progress(total: int) -> Any:
     try:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+        progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+        )
         return progress, progress.add_task("attnx bench", total=total)
     except ImportError:
         return None, None
@@ -341,7 +357,16 @@ def fit_exponent(sizes: Sequence[float], values: Sequence[float]) -> float | Non
     return sum((p[0] - mean_x) * (p[1] - mean_y) for p in points) / spread if spread else None
 
 
-HEADERS = ("operation", "implementation", "shape (B, H, n, d)", "dtype", "median ms", "GFLOP/s", "peak extra MiB", "x fastest baseline")
+HEADERS = (
+    "operation",
+    "implementation",
+    "shape (B, H, n, d)",
+    "dtype",
+    "median ms",
+    "GFLOP/s",
+    "peak extra MiB",
+    "x fastest baseline",
+)
 
 
 def table_rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
@@ -353,12 +378,18 @@ def table_rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
         if r.error:
             rows.append((c.operation, c.implementation, shape, c.dtype, "error", "", "", r.error[:60]))
             continue
-        rows.append((
-            c.operation, c.implementation, shape, c.dtype,
-            f"{r.median_s * 1e3:.2f}", f"{r.gflops:.1f}",
-            "" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}",
-            "" if relative[index] is None else f"{relative[index]:.2f}",
-        ))
+        rows.append(
+            (
+                c.operation,
+                c.implementation,
+                shape,
+                c.dtype,
+                f"{r.median_s * 1e3:.2f}",
+                f"{r.gflops:.1f}",
+                "" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}",
+                "" if relative[index] is None else f"{relative[index]:.2f}",
+            )
+        )
     return rows
 
 
@@ -374,22 +405,24 @@ def markdown(results: Sequence[Result], command: str) -> str:
         slope = fit_exponent([p[0] for p in points], [p[1] for p in points])
         if slope is not None:
             exponents.append(f"- {operation}, {implementation}: time grows as n^{slope:.2f}")
-    return "\n".join([
-        f"Command: `{command}`",
-        "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
-        "each row measured in its own process (one array library per process, so OpenBLAS's idle "
-        "threads cannot slow PyTorch); times are medians after one warm-up call; FLOPs = "
-        "4·B·H·n²·d (halved when causal); peak extra memory = the process's high-water mark during "
-        "one call minus its resident memory before it.",
-        "",
-        *lines,
-        "",
-        "Fitted exponents (least squares on log time against log n):",
-        "",
-        *exponents,
-        "",
-    ])
+    return "\n".join(
+        [
+            f"Command: `{command}`",
+            "",
+            f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
+            "each row measured in its own process (one array library per process, so OpenBLAS's idle "
+            "threads cannot slow PyTorch); times are medians after one warm-up call; FLOPs = "
+            "4·B·H·n²·d (halved when causal); peak extra memory = the process's high-water mark during "
+            "one call minus its resident memory before it.",
+            "",
+            *lines,
+            "",
+            "Fitted exponents (least squares on log time against log n):",
+            "",
+            *exponents,
+            "",
+        ]
+    )
 
 
 def _series(results: Sequence[Result], value: str = "time") -> dict[tuple[str, str], list[tuple[int, float]]]:
@@ -411,7 +444,10 @@ def plot(results: Sequence[Result], folder: Path) -> list[Path]:
     except ImportError:
         return []
     written = []
-    for value, ylabel, filename in (("time", "median time (s)", "time.png"), ("memory", "peak extra memory (MiB)", "memory.png")):
+    for value, ylabel, filename in (
+        ("time", "median time (s)", "time.png"),
+        ("memory", "peak extra memory (MiB)", "memory.png"),
+    ):
         series = _series(results, value)
         if not series:
             continue

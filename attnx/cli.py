@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
 from collections.abc import Sequence
+from dataclasses import asdict
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -69,7 +69,15 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         return 2
 
     # attnx is imported already (this command), so pytest cannot rewrite its asserts: expected.
-    command = ["--pyargs", "attnx_conformance", "-p", "no:cacheprovider", "-q", "-W", "ignore::pytest.PytestAssertRewriteWarning"]
+    command = [
+        "--pyargs",
+        "attnx_conformance",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-W",
+        "ignore::pytest.PytestAssertRewriteWarning",
+    ]
     for name in args.names:
         command += ["--attnx-backend", name]
     return int(pytest.main([*command, *args.pytest_args]))
@@ -86,8 +94,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not args.no_baselines and importlib.util.find_spec(module) is not None:
             baselines.append(baseline)
     cases = benchmark.plan(
-        args.backends, args.operations, args.sizes, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
-        dtype=args.dtype, repeat=args.repeat, baselines=baselines, device=args.device, threads=args.threads,
+        args.backends,
+        args.operations,
+        args.sizes,
+        batch=args.batch,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        repeat=args.repeat,
+        baselines=baselines,
+        device=args.device,
+        threads=args.threads,
     )
     results = benchmark.sweep(cases)
     benchmark.print_table(results)
@@ -96,8 +113,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     command = "attnx bench " + " ".join(args.argv)
     (folder / "results.md").write_text(benchmark.markdown(results, command.strip()))
     (folder / "results.json").write_text(
-        json.dumps([{**asdict(r.case), "median_s": r.median_s, "times_s": r.times_s, "peak_bytes": r.peak_bytes,
-                     "gflops": r.gflops, "error": r.error} for r in results], indent=1)
+        json.dumps(
+            [
+                {
+                    **asdict(r.case),
+                    "median_s": r.median_s,
+                    "times_s": r.times_s,
+                    "peak_bytes": r.peak_bytes,
+                    "gflops": r.gflops,
+                    "error": r.error,
+                }
+                for r in results
+            ],
+            indent=1,
+        )
     )
     plots = benchmark.plot(results, folder)
     print(f"\nwrote {folder / 'results.md'}, {folder / 'results.json'}" + "".join(f", {p}" for p in plots))
@@ -126,10 +155,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     conformance.set_defaults(run=cmd_conformance)
     bench = sub.add_parser("bench", help="time and peak memory across backends, with a report and plots")
     bench.add_argument("--backends", nargs="+", default=["numpy"], metavar="NAME")
-    bench.add_argument("--operations", nargs="+", default=["sdpa", "sdpa_causal"], metavar="OP",
-                       help="sdpa, sdpa_causal, multi_head_attention, additive_attention")
-    bench.add_argument("--sizes", nargs="+", type=int, default=[128, 256, 512, 1024, 2048], metavar="N",
-                       help="sequence lengths (n = m)")
+    bench.add_argument(
+        "--operations",
+        nargs="+",
+        default=["sdpa", "sdpa_causal"],
+        metavar="OP",
+        help="sdpa, sdpa_causal, multi_head_attention, additive_attention",
+    )
+    bench.add_argument(
+        "--sizes",
+        nargs="+",
+        type=int,
+        default=[128, 256, 512, 1024, 2048],
+        metavar="N",
+        help="sequence lengths (n = m)",
+    )
     bench.add_argument("--batch", type=int, default=1)
     bench.add_argument("--heads", type=int, default=8)
     bench.add_argument("--head-dim", type=int, default=64)
@@ -137,7 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--repeat", type=int, default=5, help="timed calls per case, after one warm-up")
     bench.add_argument("--threads", type=int, default=None, help="limit BLAS/PyTorch threads")
     bench.add_argument("--device", default=None, help="for GPU backends, e.g. cuda:0")
-    bench.add_argument("--no-baselines", action="store_true", help="skip the baselines (textbook NumPy; PyTorch and JAX SDPA where installed)")
+    bench.add_argument(
+        "--no-baselines",
+        action="store_true",
+        help="skip the baselines (textbook NumPy; PyTorch and JAX SDPA where installed)",
+    )
     bench.add_argument("--out", default="attnx-bench", help="folder for results.md, results.json and plots")
     bench.set_defaults(run=cmd_bench)
     # Options attnx does not know (-x, -k EXPR, ...) go on to pytest.

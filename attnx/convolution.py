@@ -45,13 +45,19 @@ def causal_conv1d(
     _checks.require_same_dtype(_CONV, names, arrays)
     c_out, c_in, _ = weight.shape
     if x.shape[-2] != c_in:
-        raise ValueError(f"{_CONV}: x must have shape (..., c_in, length) with c_in = {c_in} (from weight), got {_checks.shape_of(x)}")
+        raise ValueError(
+            f"{_CONV}: x must have shape (..., c_in, length) with c_in = {c_in} (from weight), got {_checks.shape_of(x)}"
+        )
     if bias is not None and _checks.shape_of(bias) != (c_out,):
         raise ValueError(f"{_CONV}: bias must have shape (c_out,) = ({c_out},), got {_checks.shape_of(bias)}")
     stride = _checks.require_positive_int(_CONV, "stride", stride)
     dilation = _checks.require_positive_int(_CONV, "dilation", dilation)
     return _dispatch.call(
-        _CONV, chosen, reason, _causal_conv1d_generic, {"x": x, "weight": weight, "bias": bias, "stride": stride, "dilation": dilation}
+        _CONV,
+        chosen,
+        reason,
+        _causal_conv1d_generic,
+        {"x": x, "weight": weight, "bias": bias, "stride": stride, "dilation": dilation},
     )
 
 

@@ -79,12 +79,18 @@ def nadaraya_watson(
         _checks.require_float(_NW, xp, name, array)
     if keys.ndim not in (1, 2):
         raise ValueError(f"{_NW}: keys must have shape (m,) or (m, d), got {_checks.shape_of(keys)}")
-    expected = (keys.ndim == 1 and queries.ndim == 1) or (keys.ndim == 2 and queries.ndim == 2 and queries.shape[1] == keys.shape[1])
+    expected = (keys.ndim == 1 and queries.ndim == 1) or (
+        keys.ndim == 2 and queries.ndim == 2 and queries.shape[1] == keys.shape[1]
+    )
     if not expected:
         layout = "(n,)" if keys.ndim == 1 else f"(n, {keys.shape[1]})"
-        raise ValueError(f"{_NW}: queries must have shape {layout} to match keys {_checks.shape_of(keys)}, got {_checks.shape_of(queries)}")
+        raise ValueError(
+            f"{_NW}: queries must have shape {layout} to match keys {_checks.shape_of(keys)}, got {_checks.shape_of(queries)}"
+        )
     if values.ndim not in (1, 2) or values.shape[0] != keys.shape[0]:
-        raise ValueError(f"{_NW}: values must have shape ({keys.shape[0]},) or ({keys.shape[0]}, d_v), got {_checks.shape_of(values)}")
+        raise ValueError(
+            f"{_NW}: values must have shape ({keys.shape[0]},) or ({keys.shape[0]}, d_v), got {_checks.shape_of(values)}"
+        )
     _checks.require_same_dtype(_NW, ("queries", "keys", "values"), (queries, keys, values))
     if isinstance(kernel, str):
         if kernel not in KERNELS:
@@ -98,8 +104,18 @@ def nadaraya_watson(
     elif getattr(bandwidth, "ndim", None) != 0:
         raise ValueError(f"{_NW}: bandwidth must be a positive float or a 0-d array, got {bandwidth!r}")
     return _dispatch.call(
-        _NW, chosen, reason, _nadaraya_watson_generic,
-        {"queries": queries, "keys": keys, "values": values, "kernel": kernel, "bandwidth": bandwidth, "return_weights": return_weights},
+        _NW,
+        chosen,
+        reason,
+        _nadaraya_watson_generic,
+        {
+            "queries": queries,
+            "keys": keys,
+            "values": values,
+            "kernel": kernel,
+            "bandwidth": bandwidth,
+            "return_weights": return_weights,
+        },
     )
 
 

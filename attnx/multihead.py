@@ -79,7 +79,11 @@ def multi_head_attention(
     weights : array, shape (..., n, m) or (..., h, n, m)
         Only with ``return_weights=True``.
     """
-    arrays = (query, key, value, mask, key_lengths, *(params.get(p) for p in _WEIGHTS + _BIASES)) if isinstance(params, Mapping) else (query,)
+    arrays = (
+        (query, key, value, mask, key_lengths, *(params.get(p) for p in _WEIGHTS + _BIASES))
+        if isinstance(params, Mapping)
+        else (query,)
+    )
     names = ("query", "key", "value", "mask", "key_lengths", *(f"params[{p!r}]" for p in _WEIGHTS + _BIASES))
     chosen, reason = _dispatch.resolve(_MHA, backend, names, arrays)
     xp = chosen.xp
@@ -95,9 +99,18 @@ def multi_head_attention(
         reason,
         _multi_head_generic,
         {
-            "query": query, "key": key, "value": value, "params": params, "layout": layout,
-            "mask": mask, "mask_per_head": per_head, "key_lengths": key_lengths, "is_causal": bool(is_causal),
-            "return_weights": return_weights, "average_weights": average_weights, "chunk_size": chunk_size,
+            "query": query,
+            "key": key,
+            "value": value,
+            "params": params,
+            "layout": layout,
+            "mask": mask,
+            "mask_per_head": per_head,
+            "key_lengths": key_lengths,
+            "is_causal": bool(is_causal),
+            "return_weights": return_weights,
+            "average_weights": average_weights,
+            "chunk_size": chunk_size,
         },
     )
 
@@ -110,24 +123,46 @@ def check_multi_head(
     h_kv = h if num_kv_heads is None else _checks.require_positive_int(_MHA, "num_kv_heads", num_kv_heads)
     if h % h_kv:
         raise ValueError(f"{_MHA}: num_kv_heads must divide num_heads = {h}, got {h_kv}")
-    for name, array, layout in (("query", query, "(..., n, d_query)"), ("key", key, "(..., m, d_key)"), ("value", value, "(..., m, d_value)")):
+    for name, array, layout in (
+        ("query", query, "(..., n, d_query)"),
+        ("key", key, "(..., m, d_key)"),
+        ("value", value, "(..., m, d_value)"),
+    ):
         _checks.require_ndim(_MHA, name, array, 2, layout)
         _checks.require_float(_MHA, xp, name, array)
     if key.shape[-2] != value.shape[-2]:
-        raise ValueError(f"{_MHA}: value must have m = {key.shape[-2]} positions (from key), got shape {_checks.shape_of(value)}")
+        raise ValueError(
+            f"{_MHA}: value must have m = {key.shape[-2]} positions (from key), got shape {_checks.shape_of(value)}"
+        )
     _params.require_mapping(_MHA, params, required=("w_q", "w_k", "w_v"), optional=("w_o", *_BIASES))
     w_q = _params.matrix(_MHA, xp, params, "w_q", rows=query.shape[-1], rows_name="d_query", dtype=query.dtype)
     if w_q.shape[1] % h:
-        raise ValueError(f"{_MHA}: params['w_q'] must have h*d_k columns with h = {h}, got shape {_checks.shape_of(w_q)}")
+        raise ValueError(
+            f"{_MHA}: params['w_q'] must have h*d_k columns with h = {h}, got shape {_checks.shape_of(w_q)}"
+        )
     d_k = w_q.shape[1] // h
-    _params.matrix(_MHA, xp, params, "w_k", rows=key.shape[-1], rows_name="d_key", cols=h_kv * d_k, cols_name=f"h_kv*d_k = {h_kv}*{d_k}", dtype=query.dtype)
+    _params.matrix(
+        _MHA,
+        xp,
+        params,
+        "w_k",
+        rows=key.shape[-1],
+        rows_name="d_key",
+        cols=h_kv * d_k,
+        cols_name=f"h_kv*d_k = {h_kv}*{d_k}",
+        dtype=query.dtype,
+    )
     w_v = _params.matrix(_MHA, xp, params, "w_v", rows=value.shape[-1], rows_name="d_value", dtype=query.dtype)
     if w_v.shape[1] % h_kv:
-        raise ValueError(f"{_MHA}: params['w_v'] must have h_kv*d_v columns with h_kv = {h_kv}, got shape {_checks.shape_of(w_v)}")
+        raise ValueError(
+            f"{_MHA}: params['w_v'] must have h_kv*d_v columns with h_kv = {h_kv}, got shape {_checks.shape_of(w_v)}"
+        )
     d_v = w_v.shape[1] // h_kv
     d_out = h * d_v
     if params.get("w_o") is not None:
-        d_out = _params.matrix(_MHA, xp, params, "w_o", rows=h * d_v, rows_name=f"h*d_v = {h}*{d_v}", dtype=query.dtype).shape[1]
+        d_out = _params.matrix(
+            _MHA, xp, params, "w_o", rows=h * d_v, rows_name=f"h*d_v = {h}*{d_v}", dtype=query.dtype
+        ).shape[1]
     for bias, size in (("b_q", h * d_k), ("b_k", h_kv * d_k), ("b_v", h_kv * d_v), ("b_o", d_out)):
         if bias == "b_o" and params.get("w_o") is None and params.get("b_o") is not None:
             raise ValueError(f"{_MHA}: params['b_o'] needs params['w_o']")
@@ -150,8 +185,19 @@ def _split_heads(xp: Any, x: Any, heads: int) -> Any:
 
 
 def _multi_head_generic(
-    xp: Any, *, query: Any, key: Any, value: Any, params: Mapping[str, Any], layout: dict[str, int],
-    mask: Any, mask_per_head: bool, key_lengths: Any, is_causal: bool, return_weights: bool, average_weights: bool,
+    xp: Any,
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    params: Mapping[str, Any],
+    layout: dict[str, int],
+    mask: Any,
+    mask_per_head: bool,
+    key_lengths: Any,
+    is_causal: bool,
+    return_weights: bool,
+    average_weights: bool,
     chunk_size: Any = None,
 ) -> Any:
     h, h_kv, d_v = layout["h"], layout["h_kv"], layout["d_v"]
@@ -248,7 +294,12 @@ def init_multi_head_params(
     d_query = d_model if d_query is None else _checks.require_positive_int(op, "d_query", d_query)
     d_key = d_model if d_key is None else _checks.require_positive_int(op, "d_key", d_key)
     d_value = d_key if d_value is None else _checks.require_positive_int(op, "d_value", d_value)
-    shapes = {"w_q": (d_query, h * d_k), "w_k": (d_key, h_kv * d_k), "w_v": (d_value, h_kv * d_v), "w_o": (h * d_v, d_model)}
+    shapes = {
+        "w_q": (d_query, h * d_k),
+        "w_k": (d_key, h_kv * d_k),
+        "w_v": (d_value, h_kv * d_v),
+        "w_o": (h * d_v, d_model),
+    }
     biases = {"b_q": h * d_k, "b_k": h_kv * d_k, "b_v": h_kv * d_v, "b_o": d_model} if bias else {}
     return _params.create(op, backend, seed, dtype, device, xavier=shapes, zeros=biases)
 

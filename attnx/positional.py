@@ -55,7 +55,10 @@ def sinusoidal_positions(
     base = _positive_base(op, base)
     chosen, reason = _dispatch.resolve(op, backend, (), ())
     return _dispatch.call(
-        op, chosen, reason, _sinusoidal_generic,
+        op,
+        chosen,
+        reason,
+        _sinusoidal_generic,
         {"num_positions": num_positions, "dim": dim, "base": base, "dtype": dtype, "device": device},
     )
 
@@ -70,7 +73,9 @@ def _sinusoidal_generic(xp: Any, *, num_positions: int, dim: int, base: float, d
     dtype = _creation_dtype(xp, dtype)
     compute = getattr(xp, "float64", dtype)
     half = (dim + 1) // 2
-    angles = xp.arange(num_positions, dtype=compute, device=device)[:, None] * _frequencies(xp, half, dim, base, compute, device)
+    angles = xp.arange(num_positions, dtype=compute, device=device)[:, None] * _frequencies(
+        xp, half, dim, base, compute, device
+    )
     pairs = xp.stack([xp.sin(angles), xp.cos(angles)], axis=-1)
     table = xp.reshape(pairs, (num_positions, 2 * half))[:, :dim]
     return xp.astype(table, dtype)
@@ -108,7 +113,9 @@ def apply_rotary(x: Any, positions: Any = None, *, base: float = 10000.0, backen
         if _checks.dtype_kind(xp, positions) not in ("int", "float"):
             raise TypeError(f"{op}: positions must be integer or real, got dtype {_checks.dtype_name(positions)}")
         if positions.ndim == 0 or positions.shape[-1] != n:
-            raise ValueError(f"{op}: positions must have shape (..., n) with n = {n}, got {_checks.shape_of(positions)}")
+            raise ValueError(
+                f"{op}: positions must have shape (..., n) with n = {n}, got {_checks.shape_of(positions)}"
+            )
         _checks.broadcast(op, {"positions": positions.shape[:-1], "x": x.shape[:-2]})
     base = _positive_base(op, base)
     return _dispatch.call(op, chosen, reason, _rotary_generic, {"x": x, "positions": positions, "base": base})
@@ -146,7 +153,14 @@ class LearnedPositions:
     """
 
     def __init__(
-        self, num_positions: int, dim: int, *, seed: int = 0, dtype: Any = None, backend: str | None = None, device: Any = None
+        self,
+        num_positions: int,
+        dim: int,
+        *,
+        seed: int = 0,
+        dtype: Any = None,
+        backend: str | None = None,
+        device: Any = None,
     ) -> None:
         op = "LearnedPositions"
         num_positions = _checks.require_positive_int(op, "num_positions", num_positions)

@@ -80,8 +80,17 @@ class TorchBackend(Backend):
 
 
 def _scaled_dot_product_attention(
-    *, query: Any, key: Any, value: Any, mask: Any, key_lengths: Any, is_causal: bool, scale: float,
-    return_weights: bool, chunks: Any = None, batch_shape: Any = None,
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: float,
+    return_weights: bool,
+    chunks: Any = None,
+    batch_shape: Any = None,
 ) -> Any:
     # PyTorch's fused kernels are memory-efficient themselves: ``chunks`` is moot.
     if return_weights:
@@ -99,8 +108,15 @@ def _scaled_dot_product_attention(
         # The one mask rule of attnx, expressed as PyTorch's single mask.
         xp = _namespace[0]
         allowed, additive = _masking.combine(
-            xp, mask=mask, key_lengths=key_lengths, is_causal=is_causal, batch_shape=tuple(leading),
-            n=n, m=m, dtype=query.dtype, device=query.device,
+            xp,
+            mask=mask,
+            key_lengths=key_lengths,
+            is_causal=is_causal,
+            batch_shape=tuple(leading),
+            n=n,
+            m=m,
+            dtype=query.dtype,
+            device=query.device,
         )
         attn_mask = allowed if additive is None else _masking.as_additive(xp, allowed, additive, query.dtype)
         is_causal = False

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import GRID
 
 import attnx
 from attnx.benchmark import textbook_attention
-from conftest import GRID
 
 # (batch, heads, n, head dim)
 SHAPES = {
@@ -29,10 +29,12 @@ def inputs(backend_name, shape, dtype="float32"):
 
 def run(benchmark, function, backend=None):
     if backend is not None and backend.name != "numpy":
+
         def synchronised():
             result = function()
             backend.synchronize()
             return result
+
         return benchmark(synchronised)
     return benchmark(function)
 

@@ -22,10 +22,14 @@ def rounded(data: np.ndarray, be: Any, dtype: str) -> np.ndarray:
     return be.numpy(be.array(data, dtype)).astype(np.float64)
 
 
-def assert_close(actual: Any, expected: np.ndarray, be: Any, dtype: str, *, like: Any = None, scale: float = 1.0) -> None:
+def assert_close(
+    actual: Any, expected: np.ndarray, be: Any, dtype: str, *, like: Any = None, scale: float = 1.0
+) -> None:
     """``actual`` is ``be``'s array, of ``dtype``, on ``like``'s device, with no
     NaN, and equal to ``expected`` within the dtype's tolerance."""
-    assert be.backend.owns(actual), f"result is a {type(actual).__module__}.{type(actual).__name__}, not a {be.name} array"
+    assert be.backend.owns(actual), (
+        f"result is a {type(actual).__module__}.{type(actual).__name__}, not a {be.name} array"
+    )
     assert be.dtype_name(actual) == dtype, f"result dtype {actual.dtype}, expected {dtype}"
     if like is not None:
         import array_api_compat

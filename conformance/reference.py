@@ -107,7 +107,10 @@ def multi_head_attention(
         if allowed is not None and allowed.ndim >= 3 and allowed.shape[-3] == h and allowed.ndim == query.ndim + 1:
             head_allowed = allowed[..., i, :, :]
         out, w = scaled_dot_product_attention(
-            q[..., i * d_k : (i + 1) * d_k], k[..., j * d_k : (j + 1) * d_k], v[..., j * d_v : (j + 1) * d_v], allowed=head_allowed
+            q[..., i * d_k : (i + 1) * d_k],
+            k[..., j * d_k : (j + 1) * d_k],
+            v[..., j * d_v : (j + 1) * d_v],
+            allowed=head_allowed,
         )
         heads.append(out)
         weights.append(w)

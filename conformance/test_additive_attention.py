@@ -16,9 +16,11 @@ pytestmark = pytest.mark.attnx_operation("additive_attention")
 def make(be, dtype, q_shape, k_shape, d_v, hidden, seed=0):
     gen = rng(30, seed)
     data = {
-        "q": gen.standard_normal(q_shape), "k": gen.standard_normal(k_shape),
+        "q": gen.standard_normal(q_shape),
+        "k": gen.standard_normal(k_shape),
         "v": gen.standard_normal((*k_shape[:-1], d_v)),
-        "w_q": gen.standard_normal((q_shape[-1], hidden)), "w_k": gen.standard_normal((k_shape[-1], hidden)),
+        "w_q": gen.standard_normal((q_shape[-1], hidden)),
+        "w_k": gen.standard_normal((k_shape[-1], hidden)),
         "w_v": gen.standard_normal(hidden),
     }
     on_backend = {name: be.array(value, dtype) for name, value in data.items()}
@@ -47,7 +49,15 @@ def test_masks_and_chunking(attnx_backend, monkeypatch):
     allowed = reference.allowed_mask(9, 6, batch_shape=(2,), key_lengths=lengths, mask=mask)
     expected, expected_w = reference.additive_attention(exact["q"], exact["k"], exact["v"], exact, allowed)
     monkeypatch.setattr(attnx.additive, "CHUNK_ELEMENTS", 6 * 7 * 2)  # two queries per chunk
-    out, w = attnx.additive_attention(arrays["q"], arrays["k"], arrays["v"], params, mask=be.array(mask), key_lengths=be.array(lengths), return_weights=True)
+    out, w = attnx.additive_attention(
+        arrays["q"],
+        arrays["k"],
+        arrays["v"],
+        params,
+        mask=be.array(mask),
+        key_lengths=be.array(lengths),
+        return_weights=True,
+    )
     assert_close(out, expected, be, "float64")
     assert_close(w, expected_w, be, "float64")
 
@@ -57,7 +67,9 @@ def test_bahdanau_context(attnx_backend):
     arrays, exact = make(be, "float64", (3, 4), (3, 6, 5), 5, 8, seed=2)
     params = {n: arrays[n] for n in ("w_q", "w_k", "w_v")}
     lengths = np.array([6, 1, 0])
-    context, w = attnx.bahdanau_context(arrays["q"], arrays["k"], params, key_lengths=be.array(lengths), return_weights=True)
+    context, w = attnx.bahdanau_context(
+        arrays["q"], arrays["k"], params, key_lengths=be.array(lengths), return_weights=True
+    )
     allowed = reference.allowed_mask(1, 6, batch_shape=(3,), key_lengths=lengths)
     expected, expected_w = reference.additive_attention(exact["q"][:, None, :], exact["k"], exact["k"], exact, allowed)
     assert_close(context, expected[:, 0], be, "float64")
@@ -69,5 +81,7 @@ def test_bad_params(attnx_backend):
     be = attnx_backend
     arrays, _ = make(be, "float32", (3, 4), (5, 6), 2, 8)
     params = {"w_q": arrays["w_q"], "w_k": arrays["w_q"], "w_v": arrays["w_v"]}
-    with pytest.raises(ValueError, match=r"additive_attention: params\['w_k'\] must have shape \(d_key, h\) = \(6, 8\), got \(4, 8\)"):
+    with pytest.raises(
+        ValueError, match=r"additive_attention: params\['w_k'\] must have shape \(d_key, h\) = \(6, 8\), got \(4, 8\)"
+    ):
         attnx.additive_attention(arrays["q"], arrays["k"], arrays["v"], params)

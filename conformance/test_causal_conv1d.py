@@ -11,7 +11,13 @@ from attnx_conformance.helpers import assert_close, rng, rounded
 
 pytestmark = pytest.mark.attnx_operation("causal_conv1d")
 
-CASES = [((3, 10), (4, 3, 2), 1, 1), ((2, 3, 17), (5, 3, 3), 2, 1), ((2, 2, 12), (2, 2, 2), 1, 4), ((1, 1), (1, 1, 3), 3, 2), ((4, 1, 9), (2, 1, 1), 2, 1)]
+CASES = [
+    ((3, 10), (4, 3, 2), 1, 1),
+    ((2, 3, 17), (5, 3, 3), 2, 1),
+    ((2, 2, 12), (2, 2, 2), 1, 4),
+    ((1, 1), (1, 1, 3), 3, 2),
+    ((4, 1, 9), (2, 1, 1), 2, 1),
+]
 
 
 @pytest.mark.parametrize("x_shape, w_shape, stride, dilation", CASES)
@@ -20,8 +26,12 @@ def test_matches_reference(attnx_backend, x_shape, w_shape, stride, dilation):
     gen = rng(60)
     x, w, b = gen.standard_normal(x_shape), gen.standard_normal(w_shape), gen.standard_normal(w_shape[0])
     for dtype in be.dtypes:
-        got = attnx.causal_conv1d(be.array(x, dtype), be.array(w, dtype), be.array(b, dtype), stride=stride, dilation=dilation)
-        expected = reference.causal_conv1d(*(rounded(a, be, dtype) for a in (x, w, b)), stride=stride, dilation=dilation)
+        got = attnx.causal_conv1d(
+            be.array(x, dtype), be.array(w, dtype), be.array(b, dtype), stride=stride, dilation=dilation
+        )
+        expected = reference.causal_conv1d(
+            *(rounded(a, be, dtype) for a in (x, w, b)), stride=stride, dilation=dilation
+        )
         assert_close(got, expected, be, dtype, scale=10)
 
 

@@ -17,7 +17,12 @@ CASES = [
     ("query rank", {"query": ((4,), F)}, ValueError, ["query", "(..., n, d_k)", "(4,)"]),
     ("d_k mismatch", {"key": ((2, 5, 3), F)}, ValueError, ["key", "d_k = 4", "(2, 5, 3)"]),
     ("key/value length", {"value": ((2, 4, 6), F)}, ValueError, ["value", "m = 5", "(2, 4, 6)"]),
-    ("batch clash", {"key": ((3, 5, 4), F), "value": ((3, 5, 6), F)}, ValueError, ["broadcast", "query (2,)", "key (3,)"]),
+    (
+        "batch clash",
+        {"key": ((3, 5, 4), F), "value": ((3, 5, 6), F)},
+        ValueError,
+        ["broadcast", "query (2,)", "key (3,)"],
+    ),
     ("integer query", {"query": ((2, 3, 4), "int64")}, TypeError, ["query", "floating", "int64"]),
     ("mixed dtypes", {"key": ((2, 5, 4), "float64")}, TypeError, ["key", "float64", "float32"]),
     ("mask shape", {"mask": ((2, 3, 7), "bool")}, ValueError, ["mask", "(2, 3, 5)", "(2, 3, 7)"]),

@@ -61,24 +61,31 @@ def test_sdpa_gradients_through_weights_path(attnx_backend):
 
 def _family_cases():
     gen = rng(5)
-    mha_params = {k: gen.standard_normal(v.shape) * 0.5 for k, v in attnx.init_multi_head_params(4, 2, seed=0, dtype="float64", backend="numpy").items()}
+    mha_params = {
+        k: gen.standard_normal(v.shape) * 0.5
+        for k, v in attnx.init_multi_head_params(4, 2, seed=0, dtype="float64", backend="numpy").items()
+    }
     add_params = {"w_q": gen.standard_normal((3, 4)), "w_k": gen.standard_normal((2, 4)), "w_v": gen.standard_normal(4)}
     return {
         "multi_head_attention": (
-            lambda be: (lambda x, w_q: attnx.multi_head_attention(x, x, x, {**_on(be, mha_params), "w_q": w_q}, num_heads=2, is_causal=True)),
+            lambda be: (
+                lambda x, w_q: attnx.multi_head_attention(
+                    x, x, x, {**_on(be, mha_params), "w_q": w_q}, num_heads=2, is_causal=True
+                )
+            ),
             [gen.standard_normal((3, 4)), mha_params["w_q"]],
         ),
         "additive_attention": (
-            lambda be: (lambda q, k, w_v: attnx.additive_attention(q, k, k, {**_on(be, add_params), "w_v": w_v})),
+            lambda be: lambda q, k, w_v: attnx.additive_attention(q, k, k, {**_on(be, add_params), "w_v": w_v}),
             [gen.standard_normal((2, 3)), gen.standard_normal((4, 2)), add_params["w_v"]],
         ),
         "nadaraya_watson": (
-            lambda be: (lambda q, k, v: attnx.nadaraya_watson(q, k, v, bandwidth=0.8)),
+            lambda be: lambda q, k, v: attnx.nadaraya_watson(q, k, v, bandwidth=0.8),
             [gen.standard_normal(3), gen.standard_normal(5), gen.standard_normal(5)],
         ),
-        "apply_rotary": (lambda be: (lambda x: attnx.apply_rotary(x)), [gen.standard_normal((3, 4))]),
+        "apply_rotary": (lambda be: lambda x: attnx.apply_rotary(x), [gen.standard_normal((3, 4))]),
         "causal_conv1d": (
-            lambda be: (lambda x, w, b: attnx.causal_conv1d(x, w, b, dilation=2)),
+            lambda be: lambda x, w, b: attnx.causal_conv1d(x, w, b, dilation=2),
             [gen.standard_normal((2, 6)), gen.standard_normal((3, 2, 2)), gen.standard_normal(3)],
         ),
     }

@@ -19,7 +19,6 @@ def test_masked_softmax_matches_reference(attnx_backend, axis):
     scores = gen.standard_normal((3, 4, 5)) * 3
     mask = gen.random((3, 4, 5)) < 0.6
     mask[0, 0, :] = False
-    moved_scores = np.moveaxis(scores, axis, -1)
     moved_mask = np.moveaxis(mask, axis, -1)
     for dtype in be.dtypes:
         got = attnx.masked_softmax(be.array(scores, dtype), mask=be.array(moved_mask), axis=axis)
@@ -54,20 +53,30 @@ def test_mask_builders(attnx_backend, n, m):
     cases = {
         "bottom_right": (attnx.masks.causal(n, m, backend=be.name), cols <= rows + (m - n)),
         "top_left": (attnx.masks.causal(n, m, align="top_left", backend=be.name), cols <= rows),
-        "window 1": (attnx.masks.sliding_window(n, m, 1, backend=be.name), (cols <= rows + m - n) & (cols >= rows + m - n - 1)),
-        "window (0, 2)": (attnx.masks.sliding_window(n, m, (0, 2), backend=be.name), (cols >= rows + m - n) & (cols <= rows + m - n + 2)),
+        "window 1": (
+            attnx.masks.sliding_window(n, m, 1, backend=be.name),
+            (cols <= rows + m - n) & (cols >= rows + m - n - 1),
+        ),
+        "window (0, 2)": (
+            attnx.masks.sliding_window(n, m, (0, 2), backend=be.name),
+            (cols >= rows + m - n) & (cols <= rows + m - n + 2),
+        ),
         "window (None, 0)": (attnx.masks.sliding_window(n, m, (None, 0), backend=be.name), cols <= rows + m - n),
     }
     for name, (got, expected) in cases.items():
         assert be.backend.owns(got), name
         np.testing.assert_array_equal(be.numpy(got), expected, err_msg=name)
     lengths = be.array(np.array([0, 2, m]))
-    np.testing.assert_array_equal(be.numpy(attnx.masks.from_lengths(lengths, m)), np.arange(m)[None, :] < np.array([0, 2, m])[:, None])
+    np.testing.assert_array_equal(
+        be.numpy(attnx.masks.from_lengths(lengths, m)), np.arange(m)[None, :] < np.array([0, 2, m])[:, None]
+    )
 
 
 def test_masks_combine_and_feed_attention(attnx_backend):
     be = attnx_backend
-    mask = attnx.masks.causal(5, backend=be.name, device=be.device) & attnx.masks.sliding_window(5, window=2, backend=be.name, device=be.device)
+    mask = attnx.masks.causal(5, backend=be.name, device=be.device) & attnx.masks.sliding_window(
+        5, window=2, backend=be.name, device=be.device
+    )
     x = be.array(rng(23).standard_normal((5, 4)), "float64")
     _, weights = attnx.scaled_dot_product_attention(x, x, x, mask=mask, return_weights=True)
     assert (be.numpy(weights)[~be.numpy(mask)] == 0).all()

@@ -30,22 +30,45 @@ def test_matches_reference(attnx_backend, config):
     be = attnx_backend
     d_model, h, h_kv, d_k, d_v, d_query, d_key, d_value, bias, n, m, lead = config
     params = attnx.init_multi_head_params(
-        d_model, h, d_k=d_k, d_v=d_v, d_query=d_query, d_key=d_key, d_value=d_value, num_kv_heads=h_kv,
-        bias=bias, seed=5, dtype="float64", backend="numpy",
+        d_model,
+        h,
+        d_k=d_k,
+        d_v=d_v,
+        d_query=d_query,
+        d_key=d_key,
+        d_value=d_value,
+        num_kv_heads=h_kv,
+        bias=bias,
+        seed=5,
+        dtype="float64",
+        backend="numpy",
     )
     if bias:
-        params = {k: v + rng(6, len(k)).standard_normal(v.shape) * 0.1 if k.startswith("b") else v for k, v in params.items()}
+        params = {
+            k: v + rng(6, len(k)).standard_normal(v.shape) * 0.1 if k.startswith("b") else v for k, v in params.items()
+        }
     gen = rng(7, n, m)
     q = gen.standard_normal((*lead, n, d_query or d_model))
     k = gen.standard_normal((*lead, m, d_key or d_model))
     v = gen.standard_normal((*lead, m, d_value or d_key or d_model))
     lengths = np.arange(m, m - lead[0], -1) if lead else None
-    allowed = reference.allowed_mask(n, m, batch_shape=lead, key_lengths=lengths, lengths_per="batch" if len(lead) > 1 else "sequence", is_causal=True)
+    allowed = reference.allowed_mask(
+        n,
+        m,
+        batch_shape=lead,
+        key_lengths=lengths,
+        lengths_per="batch" if len(lead) > 1 else "sequence",
+        is_causal=True,
+    )
     expected, expected_w = reference.multi_head_attention(q, k, v, params, h, h_kv, allowed)
     for dtype in be.dtypes:
         args = [be.array(a, dtype) for a in (q, k, v)]
-        kwargs = dict(num_heads=h, num_kv_heads=h_kv, is_causal=True, key_lengths=None if lengths is None else be.array(lengths))
-        out, w = attnx.multi_head_attention(*args, params_on(be, params, dtype), return_weights=True, average_weights=False, **kwargs)
+        kwargs = dict(
+            num_heads=h, num_kv_heads=h_kv, is_causal=True, key_lengths=None if lengths is None else be.array(lengths)
+        )
+        out, w = attnx.multi_head_attention(
+            *args, params_on(be, params, dtype), return_weights=True, average_weights=False, **kwargs
+        )
         assert_close(out, expected, be, dtype, scale=10)
         assert_close(w, expected_w, be, dtype)
         _, w_mean = attnx.multi_head_attention(*args, params_on(be, params, dtype), return_weights=True, **kwargs)
@@ -60,11 +83,25 @@ def test_per_head_and_additive_masks(attnx_backend):
     q, k = gen.standard_normal((2, n, 6)), gen.standard_normal((2, m, 6))
     per_head = gen.random((2, h, n, m)) < 0.6
     expected, _ = reference.multi_head_attention(q, k, k, params, h, allowed=per_head)
-    out = attnx.multi_head_attention(be.array(q, "float64"), be.array(k, "float64"), be.array(k, "float64"), params_on(be, params, "float64"), num_heads=h, mask=be.array(per_head))
+    out = attnx.multi_head_attention(
+        be.array(q, "float64"),
+        be.array(k, "float64"),
+        be.array(k, "float64"),
+        params_on(be, params, "float64"),
+        num_heads=h,
+        mask=be.array(per_head),
+    )
     assert_close(out, expected, be, "float64")
     additive = np.where(per_head[:, 0], 0.0, -np.inf)
     expected, _ = reference.multi_head_attention(q, k, k, params, h, allowed=per_head[:, :1].repeat(h, 1))
-    out = attnx.multi_head_attention(be.array(q, "float64"), be.array(k, "float64"), be.array(k, "float64"), params_on(be, params, "float64"), num_heads=h, mask=be.array(additive, "float64"))
+    out = attnx.multi_head_attention(
+        be.array(q, "float64"),
+        be.array(k, "float64"),
+        be.array(k, "float64"),
+        params_on(be, params, "float64"),
+        num_heads=h,
+        mask=be.array(additive, "float64"),
+    )
     assert_close(out, expected, be, "float64")
 
 
@@ -100,10 +137,20 @@ def test_matches_torch_multihead_attention(attnx_backend, bias, kdim):
     gen = rng(10)
     q, k = gen.standard_normal((2, 4, 12)), gen.standard_normal((2, 6, kdim or 12))
     ignore = gen.random((4, 6)) < 0.3  # torch: True = ignore
-    expected, expected_w = module(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(k), attn_mask=torch.from_numpy(ignore))
+    expected, expected_w = module(
+        torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(k), attn_mask=torch.from_numpy(ignore)
+    )
     copied = attnx.MultiHeadAttention.from_torch(module)
     params = {name: be.array(value.detach().numpy(), "float64") for name, value in copied.params.items()}
-    out, w = attnx.multi_head_attention(be.array(q, "float64"), be.array(k, "float64"), be.array(k, "float64"), params, num_heads=3, mask=be.array(~ignore), return_weights=True)
+    out, w = attnx.multi_head_attention(
+        be.array(q, "float64"),
+        be.array(k, "float64"),
+        be.array(k, "float64"),
+        params,
+        num_heads=3,
+        mask=be.array(~ignore),
+        return_weights=True,
+    )
     assert_close(out, expected.detach().numpy(), be, "float64")
     assert_close(w, expected_w.detach().numpy(), be, "float64")
 
@@ -117,10 +164,16 @@ def test_grouped_query_matches_torch_enable_gqa(attnx_backend):
     xt = torch.from_numpy(x)
     split = lambda y, heads: y.reshape(2, 5, heads, -1).transpose(1, 2)  # noqa: E731
     heads = torch.nn.functional.scaled_dot_product_attention(
-        split(xt @ t["w_q"] + t["b_q"], 4), split(xt @ t["w_k"] + t["b_k"], 2), split(xt @ t["w_v"] + t["b_v"], 2), enable_gqa=True, is_causal=True
+        split(xt @ t["w_q"] + t["b_q"], 4),
+        split(xt @ t["w_k"] + t["b_k"], 2),
+        split(xt @ t["w_v"] + t["b_v"], 2),
+        enable_gqa=True,
+        is_causal=True,
     )
     expected = heads.transpose(1, 2).reshape(2, 5, 16) @ t["w_o"] + t["b_o"]
-    out = attnx.multi_head_attention(*[be.array(x, "float64")] * 3, params_on(be, params, "float64"), num_heads=4, num_kv_heads=2, is_causal=True)
+    out = attnx.multi_head_attention(
+        *[be.array(x, "float64")] * 3, params_on(be, params, "float64"), num_heads=4, num_kv_heads=2, is_causal=True
+    )
     assert_close(out, expected.numpy(), be, "float64")
 
 

@@ -39,13 +39,17 @@ def test_callable_kernel_and_learned_width(attnx_backend):
     values = 2 * np.sin(keys) + keys**0.8
     queries = np.linspace(0, 5, 6)
     triangle = lambda u: be.xp.clip(1.0 - u, min=0.0)  # noqa: E731
-    out = attnx.nadaraya_watson(*(be.array(a, "float64") for a in (queries, keys, values)), kernel=triangle, bandwidth=0.5)
+    out = attnx.nadaraya_watson(
+        *(be.array(a, "float64") for a in (queries, keys, values)), kernel=triangle, bandwidth=0.5
+    )
     expected, _ = reference.nadaraya_watson(queries, keys, values, kernel=lambda u: max(0.0, 1 - u), bandwidth=0.5)
     assert_close(out, expected, be, "float64")
     w = 1.7  # softmax(-((q - k) w)^2 / 2) is the gaussian kernel with bandwidth 1/w
     scores = -(((queries[:, None] - keys[None, :]) * w) ** 2) / 2
     expected = reference.softmax(scores) @ values
-    out = attnx.nadaraya_watson(*(be.array(a, "float64") for a in (queries, keys, values)), bandwidth=be.array(np.array(1 / w), "float64"))
+    out = attnx.nadaraya_watson(
+        *(be.array(a, "float64") for a in (queries, keys, values)), bandwidth=be.array(np.array(1 / w), "float64")
+    )
     assert_close(out, expected, be, "float64")
 
 
@@ -55,6 +59,10 @@ def test_bad_input(attnx_backend):
     with pytest.raises(ValueError, match=r"nadaraya_watson: queries must have shape \(n, 2\)"):
         attnx.nadaraya_watson(be.array(np.zeros(3), "float64"), keys, be.array(np.zeros(5), "float64"))
     with pytest.raises(ValueError, match="bandwidth must be positive"):
-        attnx.nadaraya_watson(be.array(np.zeros((3, 2)), "float64"), keys, be.array(np.zeros(5), "float64"), bandwidth=0)
+        attnx.nadaraya_watson(
+            be.array(np.zeros((3, 2)), "float64"), keys, be.array(np.zeros(5), "float64"), bandwidth=0
+        )
     with pytest.raises(ValueError, match="kernel must be one of"):
-        attnx.nadaraya_watson(be.array(np.zeros((3, 2)), "float64"), keys, be.array(np.zeros(5), "float64"), kernel="cauchy")
+        attnx.nadaraya_watson(
+            be.array(np.zeros((3, 2)), "float64"), keys, be.array(np.zeros(5), "float64"), kernel="cauchy"
+        )

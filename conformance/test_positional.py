@@ -33,7 +33,15 @@ def test_sinusoidal_relative_rotation(attnx_backend):
         np.testing.assert_allclose(pairs[:-delta] @ rotation.T, pairs[delta:], atol=1e-12)
 
 
-@pytest.mark.parametrize("shape, positions", [((5, 4), None), ((2, 3, 6, 8), None), ((3, 2), np.array([3, 0, 7])), ((2, 4, 6), np.array([[0, 1, 2, 3], [10, 11, 12, 13]]))])
+@pytest.mark.parametrize(
+    "shape, positions",
+    [
+        ((5, 4), None),
+        ((2, 3, 6, 8), None),
+        ((3, 2), np.array([3, 0, 7])),
+        ((2, 4, 6), np.array([[0, 1, 2, 3], [10, 11, 12, 13]])),
+    ],
+)
 def test_rotary_matches_reference(attnx_backend, shape, positions):
     be = attnx_backend
     x = rng(50).standard_normal(shape)

@@ -143,8 +143,15 @@ def test_native_override_equals_generic(attnx_backend):
     for kwargs in ({}, {"is_causal": True}, {"key_lengths": lengths, "is_causal": True}):
         native = attnx.scaled_dot_product_attention(q, k, v, scale=0.5, **kwargs)
         generic = sdpa_generic(
-            be.xp, query=q, key=k, value=v, mask=None, key_lengths=kwargs.get("key_lengths"),
-            is_causal=kwargs.get("is_causal", False), scale=0.5, return_weights=False,
+            be.xp,
+            query=q,
+            key=k,
+            value=v,
+            mask=None,
+            key_lengths=kwargs.get("key_lengths"),
+            is_causal=kwargs.get("is_causal", False),
+            scale=0.5,
+            return_weights=False,
         )
         assert_close(native, be.numpy(generic), be, "float64")
 
@@ -157,14 +164,37 @@ def test_chunked_equals_plain(attnx_backend, case, n, m, chunks):
     batch = (2, 3)
     kwargs, _ = _mask_cases(rng(2), batch, n, m)[case]
     (q, k, v), _ = make_inputs(be, "float64", batch, batch, n, m, 4, 3, seed=3)
-    call = {name: be.array(value, "float64" if value.dtype.kind == "f" else None) if isinstance(value, np.ndarray) else value for name, value in kwargs.items()}
+    call = {
+        name: be.array(value, "float64" if value.dtype.kind == "f" else None)
+        if isinstance(value, np.ndarray)
+        else value
+        for name, value in kwargs.items()
+    }
     plain = attnx.scaled_dot_product_attention(q, k, v, return_weights=True, **call)[0]
     chunked = attnx.scaled_dot_product_attention(q, k, v, chunk_size=chunks, **call)
-    generic = sdpa_generic(be.xp, query=q, key=k, value=v, mask=call.get("mask"), key_lengths=call.get("key_lengths"),
-                           is_causal=call.get("is_causal", False), scale=0.5, return_weights=False,
-                           chunks=chunks if isinstance(chunks, tuple) else (chunks, chunks))
-    plain_scaled = sdpa_generic(be.xp, query=q, key=k, value=v, mask=call.get("mask"), key_lengths=call.get("key_lengths"),
-                                is_causal=call.get("is_causal", False), scale=0.5, return_weights=False)
+    generic = sdpa_generic(
+        be.xp,
+        query=q,
+        key=k,
+        value=v,
+        mask=call.get("mask"),
+        key_lengths=call.get("key_lengths"),
+        is_causal=call.get("is_causal", False),
+        scale=0.5,
+        return_weights=False,
+        chunks=chunks if isinstance(chunks, tuple) else (chunks, chunks),
+    )
+    plain_scaled = sdpa_generic(
+        be.xp,
+        query=q,
+        key=k,
+        value=v,
+        mask=call.get("mask"),
+        key_lengths=call.get("key_lengths"),
+        is_causal=call.get("is_causal", False),
+        scale=0.5,
+        return_weights=False,
+    )
     assert_close(chunked, be.numpy(plain), be, "float64")
     assert_close(generic, be.numpy(plain_scaled), be, "float64")
 
@@ -172,7 +202,9 @@ def test_chunked_equals_plain(attnx_backend, case, n, m, chunks):
 def test_memory_budget_selects_chunks(attnx_backend):
     be = attnx_backend
     (q, k, v), (qr, kr, vr) = make_inputs(be, "float32", (2,), (2,), 64, 64, 8, 8)
-    expected, _ = reference.scaled_dot_product_attention(qr, kr, vr, allowed=reference.allowed_mask(64, 64, batch_shape=(2,), is_causal=True))
+    expected, _ = reference.scaled_dot_product_attention(
+        qr, kr, vr, allowed=reference.allowed_mask(64, 64, batch_shape=(2,), is_causal=True)
+    )
     with attnx.memory_budget(1024):  # far below 2 * 64 * 64 * 4 bytes
         out = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert_close(out, expected, be, "float32")

@@ -40,7 +40,10 @@ def test_sdpa_matches_torch(attnx_backend, n, m):
     theirs = F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=torch.from_numpy(top_left))
     compare(attnx.scaled_dot_product_attention(*args, mask=be.array(top_left)), theirs)
     if n == m:
-        compare(attnx.scaled_dot_product_attention(*args, is_causal=True), F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=True))
+        compare(
+            attnx.scaled_dot_product_attention(*args, is_causal=True),
+            F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=True),
+        )
     padding = torch.arange(m)[None, None, None, :] < torch.from_numpy(lengths)[:, None, None, None]
     compare(
         attnx.scaled_dot_product_attention(*args, key_lengths=be.array(lengths)),

@@ -37,7 +37,9 @@ def main() -> None:
         # Leave one out: each training point is predicted from the others.
         keys = x_train.repeat(50, 1)[~torch.eye(50, dtype=torch.bool)].reshape(50, 49)
         values = y_train.repeat(50, 1)[~torch.eye(50, dtype=torch.bool)].reshape(50, 49)
-        predictions = torch.stack([attnx.nadaraya_watson(x_train[i : i + 1], keys[i], values[i], bandwidth=1 / w)[0] for i in range(50)])
+        predictions = torch.stack(
+            [attnx.nadaraya_watson(x_train[i : i + 1], keys[i], values[i], bandwidth=1 / w)[0] for i in range(50)]
+        )
         loss = ((predictions - y_train) ** 2).mean()
         optimizer.zero_grad()
         loss.backward()

@@ -6,15 +6,32 @@ import json
 import subprocess
 import sys
 
-from attnx.benchmark import Case, fit_exponent, ratios, Result
+from attnx.benchmark import Case, Result, fit_exponent, ratios
 
 
 def test_bench_writes_table_json_and_plots(tmp_path):
     out = tmp_path / "report"
     result = subprocess.run(
-        [sys.executable, "-m", "attnx.cli", "bench", "--sizes", "16", "32", "--heads", "2", "--head-dim", "8",
-         "--repeat", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "attnx.cli",
+            "bench",
+            "--sizes",
+            "16",
+            "32",
+            "--heads",
+            "2",
+            "--head-dim",
+            "8",
+            "--repeat",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr + result.stdout
     assert "x fastest baseline" in result.stdout
@@ -33,7 +50,12 @@ def test_ratio_is_against_the_fastest_baseline_of_the_same_size():
     def result(implementation, n, seconds):
         return Result(Case(implementation, "sdpa", 1, 1, n, 8), median_s=seconds)
 
-    results = [result("attnx:numpy", 16, 3.0), result("numpy-textbook", 16, 2.0), result("torch-sdpa", 16, 1.5), result("attnx:numpy", 32, 1.0)]
+    results = [
+        result("attnx:numpy", 16, 3.0),
+        result("numpy-textbook", 16, 2.0),
+        result("torch-sdpa", 16, 1.5),
+        result("attnx:numpy", 32, 1.0),
+    ]
     assert ratios(results) == {0: 2.0, 1: 2.0 / 1.5, 2: 1.0, 3: None}
 
 

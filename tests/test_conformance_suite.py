@@ -34,8 +34,14 @@ attnx.register_plugin(Plugin(), name="broken-plugin")
 def test_suite_fails_a_backend_that_drops_the_scale(pytester):
     pytester.makepyfile(broken_plugin=BROKEN)
     result = pytester.runpytest_subprocess(
-        "-p", "broken_plugin", "--pyargs", "attnx_conformance.test_scaled_dot_product_attention",
-        "--attnx-backend", "broken", "-p", "no:cacheprovider",
+        "-p",
+        "broken_plugin",
+        "--pyargs",
+        "attnx_conformance.test_scaled_dot_product_attention",
+        "--attnx-backend",
+        "broken",
+        "-p",
+        "no:cacheprovider",
     )
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) >= 5, outcomes

@@ -19,7 +19,9 @@ def test_example_runs(tmp_path, script, steps):
     out = tmp_path / "plot.png"
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / script), "--steps", str(steps), "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 10_000
