@@ -54,3 +54,30 @@ def test_suite_runs_from_the_command_line_on_numpy(pytester):
     result = pytester.run("attnx", "conformance", "numpy", "-k", "test_masks_match_reference and causal")
     assert result.ret == 0
     result.stdout.fnmatch_lines(["scaled_dot_product_attention * passed*"])
+
+
+def test_known_failures_file_xfails_and_warns_on_unused_entries(pytester):
+    xfails = pytester.makefile(
+        ".txt",
+        known_failures="""
+        # known failures of the numpy backend
+        test_scaled_dot_product_attention.py::test_scale_argument   # says it fails, but it passes: XPASS
+        test_no_such_thing                                          # matches nothing: warned about
+        """,
+    )
+    result = pytester.runpytest_subprocess(
+        "--pyargs",
+        "attnx_conformance.test_scaled_dot_product_attention",
+        "--attnx-backend",
+        "numpy",
+        "--attnx-xfails",
+        str(xfails),
+        "-k",
+        "test_scale_argument",
+        "-p",
+        "no:cacheprovider",
+        "-rX",
+    )
+    assert result.parseoutcomes().get("xpassed") == 1
+    result.stdout.fnmatch_lines(["*XPASS*test_scale_argument*says it fails*"])
+    result.stdout.fnmatch_lines(["*entry matches no test: 'test_no_such_thing'*"])
