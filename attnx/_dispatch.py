@@ -93,9 +93,12 @@ def call(
     reason: str,
     generic: Callable[..., Any],
     arguments: dict[str, Any],
+    generic_options: dict[str, Any] | None = None,
 ) -> Any:
     """Run the backend's native implementation of ``operation`` if it has one
-    that accepts the call, else ``generic(xp, **arguments)``."""
+    that accepts the call, else ``generic(xp, **arguments, **generic_options)``
+    (options for the generic algorithm only, such as the backend's
+    ``map_blocks``)."""
     native = backend.implementations().get(operation)
     if native is not None:
         result = native(**arguments)
@@ -106,4 +109,6 @@ def call(
     if logger.isEnabledFor(logging.DEBUG):
         declined = ", native declined" if native is not None else ""
         logger.debug("%s: backend %r (%s), generic%s", operation, backend.name, reason, declined)
+    if generic_options:
+        return generic(backend.xp, **arguments, **generic_options)
     return generic(backend.xp, **arguments)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from attnx import _checks, _dispatch, _masking
@@ -88,7 +88,7 @@ def scaled_dot_product_attention(
     chosen, reason = _dispatch.resolve(_SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths))
     xp = chosen.xp
     scale, batch_shape = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
-    chunks = choose_chunks(xp, query, key, batch_shape, chunk_size, return_weights, is_causal)
+    chunks = choose_chunks(xp, query, key, batch_shape, chunk_size, return_weights, is_causal, chosen.concurrent_blocks)
     return _dispatch.call(
         _SDPA,
         chosen,
@@ -106,6 +106,7 @@ def scaled_dot_product_attention(
             "chunks": chunks,
             "batch_shape": batch_shape,
         },
+        {"map_blocks": chosen.map_blocks} if chunks is not None else None,
     )
 
 
@@ -128,6 +129,7 @@ def choose_chunks(
     chunk_size: Any,
     return_weights: bool,
     is_causal: bool = False,
+    concurrent_blocks: int = 1,
 ) -> tuple[int, int] | None:
     """``(query_chunk, key_chunk)`` for the chunked algorithm, or None for the
     plain one: ``chunk_size`` if given, else chunks when the scores would
@@ -157,13 +159,14 @@ def choose_chunks(
     if leading * n * m * itemsize <= budget:
         return None
     key_chunk = min(m, KEY_CHUNK)
+    block_bytes = BLOCK_BYTES // max(1, concurrent_blocks)  # blocks in flight share the block size
     # Blocks of about BLOCK_BYTES, but at least MIN_ROWS queries per head when
     # that stays within 4 * BLOCK_BYTES: thin blocks make inefficient matrix products.
-    rows = BLOCK_BYTES // (itemsize * leading * key_chunk)
-    while rows < MIN_ROWS and key_chunk > 512 and leading * MIN_ROWS * key_chunk * itemsize > 4 * BLOCK_BYTES:
+    rows = block_bytes // (itemsize * leading * key_chunk)
+    while rows < MIN_ROWS and key_chunk > 512 and leading * MIN_ROWS * key_chunk * itemsize > 4 * block_bytes:
         key_chunk //= 2
-        rows = BLOCK_BYTES // (itemsize * leading * key_chunk)
-    if rows < MIN_ROWS and leading * MIN_ROWS * key_chunk * itemsize <= 4 * BLOCK_BYTES:
+        rows = block_bytes // (itemsize * leading * key_chunk)
+    if rows < MIN_ROWS and leading * MIN_ROWS * key_chunk * itemsize <= 4 * block_bytes:
         rows = MIN_ROWS
     if is_causal:  # thinner query blocks skip more of the future: about half the work
         rows = min(rows, max(MIN_CAUSAL_ROWS, n // 8))
@@ -217,6 +220,7 @@ def sdpa_generic(
     return_weights: bool,
     chunks: tuple[int, int] | None = None,
     batch_shape: tuple[int, ...] | None = None,
+    map_blocks: Callable[..., list[Any]] | None = None,
 ) -> Any:
     """The generic algorithm, array API only (inputs already validated)."""
     n, m = query.shape[-2], key.shape[-2]
@@ -234,6 +238,7 @@ def sdpa_generic(
             scale=scale,
             query_chunk=chunks[0],
             key_chunk=chunks[1],
+            map_blocks=map_blocks,
         )
     dtype = query.dtype
     compute = _checks.accumulation_dtype(xp, dtype)
@@ -393,6 +398,7 @@ def sdpa_chunked(
     scale: float,
     query_chunk: int,
     key_chunk: int,
+    map_blocks: Callable[..., list[Any]] | None = None,
 ) -> Any:
     """Memory-efficient attention (Rabe and Staats 2021; the FlashAttention
     recurrence), array API only.
@@ -402,7 +408,9 @@ def sdpa_chunked(
     extra memory is O(query_chunk * key_chunk) per leading index instead of
     O(n * m).  Masks are built block by block; with ``is_causal`` the key
     blocks that lie wholly in a query block's future are never visited.
-    The weights are not materialised.
+    The weights are not materialised.  Query blocks are independent: they
+    go through ``map_blocks`` (the backend's :meth:`~attnx.Backend.map_blocks`),
+    which may run them concurrently.
     """
     dtype = query.dtype
     compute = _checks.accumulation_dtype(xp, dtype)
@@ -418,8 +426,8 @@ def sdpa_chunked(
     # the weighted values and the row sums, saving a pass over the scores.
     ones = xp.ones((*value.shape[:-1], 1), dtype=value.dtype, device=device)
     value = xp.concat([value, ones], axis=-1)
-    blocks = []
-    for r0 in range(0, n, query_chunk):
+
+    def attend_rows(r0: int) -> Any:
         r1 = min(n, r0 + query_chunk)
         q = query[..., r0:r1, :] * scale
         row_max = acc = None
@@ -453,11 +461,13 @@ def sdpa_chunked(
             row_max = new_max
         if acc is None:  # no key at all for these rows (causal with n > m)
             lead = batch_shape
-            blocks.append(xp.zeros((*lead, r1 - r0, d_v), dtype=compute, device=device))
-            continue
+            return xp.zeros((*lead, r1 - r0, d_v), dtype=compute, device=device)
         # Normalise the (rows, d_v) output, not the (rows, keys) weights.
         row_sum = acc[..., d_v:]
-        blocks.append(acc[..., :d_v] / xp.where(row_sum == 0.0, 1.0, row_sum))
+        return acc[..., :d_v] / xp.where(row_sum == 0.0, 1.0, row_sum)
+
+    starts = range(0, n, query_chunk)
+    blocks = map_blocks(attend_rows, starts) if map_blocks is not None else [attend_rows(r0) for r0 in starts]
     output = blocks[0] if len(blocks) == 1 else xp.concat(blocks, axis=-2)
     if output.shape[:-2] != tuple(batch_shape):
         output = xp.broadcast_to(output, (*batch_shape, *output.shape[-2:]))

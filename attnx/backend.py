@@ -9,7 +9,7 @@ operations.  See the "Writing a backend" guide in the README.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -42,6 +42,9 @@ class Backend:
     array_module: str = ""
     float_dtypes: tuple[str, ...] = ("float32", "float64")
     supports_autograd: bool = False
+    #: How many blocks :meth:`map_blocks` runs at once: the chunked algorithms
+    #: divide their block size by it, so memory stays within the budget.
+    concurrent_blocks: int = 1
 
     _xp: ModuleType | None = None
 
@@ -95,6 +98,16 @@ class Backend:
 
     def synchronize(self, device: Any = None) -> None:
         """Wait for queued work on ``device`` (for timing); no-op on the CPU."""
+
+    def map_blocks(self, function: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        """``[function(item) for item in items]``, possibly run concurrently.
+
+        The chunked algorithms hand their independent blocks (ranges of
+        queries) to this method.  The default runs them one after another; a
+        CPU backend whose library releases the GIL may run them on threads (the
+        NumPy backend does).  Results come back in the order of ``items``.
+        """
+        return [function(item) for item in items]
 
     def gradients(self, function: Callable[..., Any], arrays: list[Any]) -> list[Any]:
         """Gradients of ``sum(function(*arrays))`` with respect to each array.
