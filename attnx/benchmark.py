@@ -1,12 +1,13 @@
 """``attnx bench``: time and peak memory of attention across backends.
 
-Each measurement runs in a fresh process (``python -m attnx.benchmark
-worker CASE``): one array library per process, so OpenBLAS's spinning idle
-threads never slow PyTorch, and the peak memory of one call is read from the
-process's own high-water mark (``/proc/self/status``'s VmHWM, reset through
+Each measurement runs in fresh processes (``python -m attnx.benchmark
+worker CASE time|memory``): one array library per process, so OpenBLAS's
+spinning idle threads never slow PyTorch.  The times come from one process;
+the peak memory of one call from another, read from the process's own
+high-water mark (``/proc/self/status``'s VmHWM, reset through
 ``/proc/self/clear_refs`` just before the call; large allocations are forced
-to ``mmap`` so freed memory really leaves).  On CUDA, PyTorch's own counters
-are used instead.
+to ``mmap`` there so freed memory really leaves, which would slow the timed
+process).  On CUDA, PyTorch's own counters are used instead.
 
 The report compares, for each size, attnx on each backend with the
 baselines a user would otherwise pick, measured in the same run: PyTorch's
@@ -202,8 +203,8 @@ def _peak_extra_bytes(function: Callable[[], Any], sync: Callable[[], None], cas
     return max(0, peak - base) * 1024
 
 
-def run_case(case: Case) -> Result:
-    """Measure one case in this process."""
+def run_case(case: Case, what: str = "both") -> Result:
+    """Measure one case in this process: its ``"time"``, its ``"memory"``, or ``"both"``."""
     result = Result(case)
     try:
         if case.threads:
@@ -211,7 +212,10 @@ def run_case(case: Case) -> Result:
         function, sync = _callable(case)
         function()  # warm-up: lazy imports, kernel selection, allocator growth
         sync()
-        result.peak_bytes = _peak_extra_bytes(function, sync, case)
+        if what in ("memory", "both"):
+            result.peak_bytes = _peak_extra_bytes(function, sync, case)
+        if what == "memory":
+            return result
         for _ in range(case.repeat):
             start = time.perf_counter()
             function()
@@ -232,9 +236,9 @@ def _limit_threads(threads: int) -> None:
         pass
 
 
-def _worker(argument: str) -> None:
+def _worker(argument: str, what: str) -> None:
     case = Case(**json.loads(argument))
-    result = run_case(case)
+    result = run_case(case, what)
     print(
         json.dumps(
             {
@@ -247,24 +251,37 @@ def _worker(argument: str) -> None:
     )
 
 
-def measure(case: Case, timeout: float = 900.0) -> Result:
-    """Measure ``case`` in a fresh process."""
+def _run_worker(case: Case, what: str, timeout: float) -> dict[str, Any]:
     env = dict(os.environ)
     env.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # big buffers via mmap: freed memory leaves the RSS
+    if what == "memory":
+        # Big buffers through mmap, so freed memory leaves the RSS and the
+        # high-water mark sees every allocation.  Only for this process: page
+        # faults on every buffer would distort the times.
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     if case.threads:
         for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             env[name] = str(case.threads)
-    command = [sys.executable, "-m", "attnx.benchmark", "worker", json.dumps(asdict(case))]
+    command = [sys.executable, "-m", "attnx.benchmark", "worker", json.dumps(asdict(case)), what]
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return Result(case, error=f"timed out after {timeout:.0f} s")
+        return {"error": f"timed out after {timeout:.0f} s"}
     if done.returncode != 0 or not done.stdout.strip():
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return Result(case, error=f"worker failed: {last}")
-    data = json.loads(done.stdout.strip().splitlines()[-1])
-    return Result(case, data["median_s"], data["times_s"], data["peak_bytes"], data["error"])
+        return {"error": f"worker failed: {last}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(case: Case, timeout: float = 900.0) -> Result:
+    """Measure ``case`` in fresh processes: one for the time, one for the
+    peak memory (on CUDA, where the counters need no allocator setting, one)."""
+    on_gpu = (case.device or "").startswith("cuda")
+    timing = _run_worker(case, "both" if on_gpu else "time", timeout)
+    if timing.get("error"):
+        return Result(case, error=timing["error"])
+    memory = timing if on_gpu else _run_worker(case, "memory", timeout)
+    return Result(case, timing["median_s"], timing["times_s"], memory.get("peak_bytes"), memory.get("error"))
 
 
 # -- the sweep and its report -----------------------------------------------------
@@ -483,7 +500,7 @@ def print_table(results: Sequence[Result]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["worker"]:
-        _worker(args[1])
+        _worker(args[1], args[2] if len(args) > 2 else "both")
         return
     raise SystemExit("usage: attnx bench ... (python -m attnx.benchmark worker CASE is internal)")
 
