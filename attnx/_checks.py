@@ -98,6 +98,12 @@ def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]]) -> tuple
     return tuple(result)
 
 
+def leading_shape(query: Any, key: Any, value: Any) -> tuple[int, ...]:
+    """The broadcast leading shape ``(...)`` of already validated
+    ``query (..., n, d)``, ``key (..., m, d)`` and ``value (..., m, d_v)``."""
+    return broadcast("", {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
+
+
 def require_positive_int(operation: str, name: str, value: Any, *, allow_zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
         raise TypeError(f"{operation}: {name} must be an integer, got {type(value).__name__}")

@@ -128,7 +128,7 @@ def _additive_generic(
     return_weights: bool,
 ) -> Any:
     scores = additive_scores(xp, query, key, params)
-    batch_shape = _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
+    batch_shape = _checks.leading_shape(query, key, value)
     allowed, additive = _masking.combine(
         xp,
         mask=mask,

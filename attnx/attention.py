@@ -246,7 +246,7 @@ def sdpa_generic(
         query, key, value = (xp.astype(a, compute) for a in (query, key, value))
     n, m = query.shape[-2], key.shape[-2]
     if batch_shape is None:
-        batch_shape = _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
+        batch_shape = _checks.leading_shape(query, key, value)
     allowed = additive = None
     if mask is not None or key_lengths is not None or is_causal:
         allowed, additive = _masking.combine(
@@ -278,7 +278,7 @@ def sdpa_generic(
 
 def _empty_attention(xp: Any, query: Any, key: Any, value: Any, batch_shape: Any, return_weights: bool) -> Any:
     if batch_shape is None:
-        batch_shape = _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
+        batch_shape = _checks.leading_shape(query, key, value)
     n, m, device = query.shape[-2], key.shape[-2], _checks.device_of(query)
     output = xp.zeros((*batch_shape, n, value.shape[-1]), dtype=query.dtype, device=device)
     if not return_weights:
@@ -417,7 +417,7 @@ def sdpa_chunked(
     if compute != dtype:
         query, key, value = (xp.astype(a, compute) for a in (query, key, value))
     n, m = query.shape[-2], key.shape[-2]
-    batch_shape = _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
+    batch_shape = _checks.leading_shape(query, key, value)
     device = _checks.device_of(query)
     offset = m - n
     key_t = xp.matrix_transpose(key)

@@ -208,7 +208,7 @@ def _multi_head_generic(
     q = xp.reshape(q, (*q.shape[:-4], h_kv, groups, n, q.shape[-1]))
     k = _split_heads(xp, _project(key, params, "w_k", "b_k"), h_kv)
     v = _split_heads(xp, _project(value, params, "w_v", "b_v"), h_kv)
-    batch_shape = _checks.broadcast("", {"q": query.shape[:-2], "k": key.shape[:-2], "v": value.shape[:-2]})
+    batch_shape = _checks.leading_shape(query, key, value)
     if key_lengths is not None:
         padding = _masking.lengths_mask(xp, key_lengths, batch_shape, n, m)
         if mask is None or mask.dtype == xp.bool:

@@ -172,20 +172,7 @@ def test_chunked_equals_plain(attnx_backend, case, n, m, chunks):
     }
     plain = attnx.scaled_dot_product_attention(q, k, v, return_weights=True, **call)[0]
     chunked = attnx.scaled_dot_product_attention(q, k, v, chunk_size=chunks, **call)
-    generic = sdpa_generic(
-        be.xp,
-        query=q,
-        key=k,
-        value=v,
-        mask=call.get("mask"),
-        key_lengths=call.get("key_lengths"),
-        is_causal=call.get("is_causal", False),
-        scale=0.5,
-        return_weights=False,
-        chunks=chunks if isinstance(chunks, tuple) else (chunks, chunks),
-    )
-    plain_scaled = sdpa_generic(
-        be.xp,
+    arguments = dict(
         query=q,
         key=k,
         value=v,
@@ -195,6 +182,9 @@ def test_chunked_equals_plain(attnx_backend, case, n, m, chunks):
         scale=0.5,
         return_weights=False,
     )
+    pair = chunks if isinstance(chunks, tuple) else (chunks, chunks)
+    generic = sdpa_generic(be.xp, **arguments, chunks=pair)
+    plain_scaled = sdpa_generic(be.xp, **arguments)
     assert_close(chunked, be.numpy(plain), be, "float64")
     assert_close(generic, be.numpy(plain_scaled), be, "float64")
 
