@@ -121,7 +121,8 @@ def _scaled_dot_product_attention(
         attn_mask = allowed if additive is None else _masking.as_additive(xp, allowed, additive, query.dtype)
         is_causal = False
     if same_leading and 1 <= len(leading) <= 2:
-        return fused(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+        # Positional (attn_mask, dropout_p, is_causal): keywords cost a microsecond here.
+        return fused(query, key, value, attn_mask, 0.0, is_causal, scale=scale)
     # PyTorch's fused CPU kernels want (batch, heads, n, d): other layouts (no
     # leading dimension, broadcast heads, 5-D grouped heads) fall back to a
     # slow path that materialises the scores, so flatten the leading shape.
@@ -131,7 +132,7 @@ def _scaled_dot_product_attention(
     value = value.expand(*leading, m, d_v).reshape(1, -1, m, d_v)
     if attn_mask is not None:
         attn_mask = attn_mask.expand(*leading, n, m).reshape(1, -1, n, m)
-    output = fused(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    output = fused(query, key, value, attn_mask, 0.0, is_causal, scale=scale)
     return output.reshape(*leading, n, d_v)
 
 
