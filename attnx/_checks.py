@@ -98,10 +98,25 @@ def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]]) -> tuple
     return tuple(result)
 
 
-def leading_shape(query: Any, key: Any, value: Any) -> tuple[int, ...]:
-    """The broadcast leading shape ``(...)`` of already validated
-    ``query (..., n, d)``, ``key (..., m, d)`` and ``value (..., m, d_v)``."""
-    return broadcast("", {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
+def leading_shape(query: Any, key: Any, value: Any, operation: str = "") -> tuple[int, ...]:
+    """The broadcast leading shape ``(...)`` of ``query (..., n, d)``,
+    ``key (..., m, d)`` and ``value (..., m, d_v)``, or a ValueError naming
+    them."""
+    return broadcast(operation, {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
+
+
+def require_query_key_value(
+    operation: str, xp: Any, query: Any, key: Any, value: Any, layouts: tuple[str, str, str]
+) -> None:
+    """Each of query, key, value a real floating array with at least two
+    dimensions (``layouts`` say which), and as many values as keys."""
+    for name, array, layout in zip(("query", "key", "value"), (query, key, value), layouts):
+        require_ndim(operation, name, array, 2, layout)
+        require_float(operation, xp, name, array)
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(
+            f"{operation}: value must have m = {key.shape[-2]} positions (from key), got shape {shape_of(value)}"
+        )
 
 
 def require_positive_int(operation: str, name: str, value: Any, *, allow_zero: bool = False) -> int:

@@ -274,12 +274,17 @@ def finite_shift(xp: Any, row_max: Any) -> Any:
     return xp.where(row_max == -float("inf"), 0.0, row_max)
 
 
+def nonzero_total(xp: Any, total: Any) -> Any:
+    """Row totals to divide by: 1 where a row sums to 0 (nothing allowed, so
+    all its terms are 0), so the division gives zeros, never NaN."""
+    return xp.where(total == 0.0, 1.0, total)
+
+
 def safe_total(xp: Any, exp_scores: Any, masked: bool = True) -> Any:
-    """Row sums of the exponentials, with 1 for fully masked rows (whose
-    exponentials are all 0), so dividing gives zeros, never NaN.  Without
+    """Row sums of the exponentials, through :func:`nonzero_total`.  Without
     masks every row holds an exp(0) = 1, so no row sums to 0."""
     total = xp.sum(exp_scores, axis=-1, keepdims=True)
-    return xp.where(total == 0.0, 1.0, total) if masked else total
+    return nonzero_total(xp, total) if masked else total
 
 
 def softmax(xp: Any, scores: Any, allowed: Any = None, additive: Any = None) -> Any:

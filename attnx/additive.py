@@ -77,18 +77,9 @@ def additive_attention(
 
 
 def check_additive(xp: Any, query: Any, key: Any, value: Any, params: Any, mask: Any, key_lengths: Any) -> None:
-    for name, array, layout in (
-        ("query", query, "(..., n, d_query)"),
-        ("key", key, "(..., m, d_key)"),
-        ("value", value, "(..., m, d_v)"),
-    ):
-        _checks.require_ndim(_ADD, name, array, 2, layout)
-        _checks.require_float(_ADD, xp, name, array)
+    layouts = ("(..., n, d_query)", "(..., m, d_key)", "(..., m, d_v)")
+    _checks.require_query_key_value(_ADD, xp, query, key, value, layouts)
     _checks.require_same_dtype(_ADD, ("query", "key", "value"), (query, key, value))
-    if key.shape[-2] != value.shape[-2]:
-        raise ValueError(
-            f"{_ADD}: value must have m = {key.shape[-2]} positions (from key), got shape {_checks.shape_of(value)}"
-        )
     _params.require_mapping(_ADD, params, required=("w_q", "w_k", "w_v"), optional=())
     w_q = _params.matrix(_ADD, xp, params, "w_q", rows=query.shape[-1], rows_name="d_query", dtype=query.dtype)
     hidden = w_q.shape[1]
@@ -96,7 +87,7 @@ def check_additive(xp: Any, query: Any, key: Any, value: Any, params: Any, mask:
         _ADD, xp, params, "w_k", rows=key.shape[-1], rows_name="d_key", cols=hidden, cols_name="h", dtype=query.dtype
     )
     _params.vector(_ADD, xp, params, "w_v", size=hidden, dtype=query.dtype)
-    batch_shape = _checks.broadcast(_ADD, {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
+    batch_shape = _checks.leading_shape(query, key, value, _ADD)
     _masking.check_masks(_ADD, xp, mask, key_lengths, batch_shape, query.shape[-2], key.shape[-2])
 
 

@@ -238,13 +238,13 @@ def sdpa_generic(
             scale=scale,
             query_chunk=chunks[0],
             key_chunk=chunks[1],
+            batch_shape=batch_shape,
             map_blocks=map_blocks,
         )
     dtype = query.dtype
     compute = _checks.accumulation_dtype(xp, dtype)
     if compute != dtype:
         query, key, value = (xp.astype(a, compute) for a in (query, key, value))
-    n, m = query.shape[-2], key.shape[-2]
     if batch_shape is None:
         batch_shape = _checks.leading_shape(query, key, value)
     allowed = additive = None
@@ -398,6 +398,7 @@ def sdpa_chunked(
     scale: float,
     query_chunk: int,
     key_chunk: int,
+    batch_shape: tuple[int, ...] | None = None,
     map_blocks: Callable[..., list[Any]] | None = None,
 ) -> Any:
     """Memory-efficient attention (Rabe and Staats 2021; the FlashAttention
@@ -417,7 +418,8 @@ def sdpa_chunked(
     if compute != dtype:
         query, key, value = (xp.astype(a, compute) for a in (query, key, value))
     n, m = query.shape[-2], key.shape[-2]
-    batch_shape = _checks.leading_shape(query, key, value)
+    if batch_shape is None:
+        batch_shape = _checks.leading_shape(query, key, value)
     device = _checks.device_of(query)
     offset = m - n
     key_t = xp.matrix_transpose(key)
@@ -460,11 +462,9 @@ def sdpa_chunked(
                 acc = acc * xp.exp(exponent) + block_out
             row_max = new_max
         if acc is None:  # no key at all for these rows (causal with n > m)
-            lead = batch_shape
-            return xp.zeros((*lead, r1 - r0, d_v), dtype=compute, device=device)
+            return xp.zeros((*batch_shape, r1 - r0, d_v), dtype=compute, device=device)
         # Normalise the (rows, d_v) output, not the (rows, keys) weights.
-        row_sum = acc[..., d_v:]
-        return acc[..., :d_v] / xp.where(row_sum == 0.0, 1.0, row_sum)
+        return acc[..., :d_v] / _masking.nonzero_total(xp, acc[..., d_v:])
 
     starts = range(0, n, query_chunk)
     blocks = map_blocks(attend_rows, starts) if map_blocks is not None else [attend_rows(r0) for r0 in starts]

@@ -131,7 +131,6 @@ def _nadaraya_watson_generic(
         weights = _masking.softmax(xp, _gaussian_log(xp, u))
     else:
         k = KERNELS[kernel](xp, u) if isinstance(kernel, str) else kernel(u)
-        total = xp.sum(k, axis=-1, keepdims=True)
-        weights = k / xp.where(total == 0.0, 1.0, total)
+        weights = k / _masking.safe_total(xp, k)
     estimate = weights @ values if values.ndim == 2 else xp.sum(weights * values, axis=-1)
     return (estimate, weights) if return_weights else estimate

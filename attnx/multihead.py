@@ -88,7 +88,7 @@ def multi_head_attention(
     chosen, reason = _dispatch.resolve(_MHA, backend, names, arrays)
     xp = chosen.xp
     layout = check_multi_head(xp, query, key, value, params, num_heads, num_kv_heads)
-    batch_shape = _checks.broadcast(_MHA, {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
+    batch_shape = _checks.leading_shape(query, key, value, _MHA)
     n, m = query.shape[-2], key.shape[-2]
     per_head = mask is not None and mask.ndim == len(batch_shape) + 3
     mask_batch_shape = (*batch_shape, num_heads) if per_head else batch_shape
@@ -123,17 +123,8 @@ def check_multi_head(
     h_kv = h if num_kv_heads is None else _checks.require_positive_int(_MHA, "num_kv_heads", num_kv_heads)
     if h % h_kv:
         raise ValueError(f"{_MHA}: num_kv_heads must divide num_heads = {h}, got {h_kv}")
-    for name, array, layout in (
-        ("query", query, "(..., n, d_query)"),
-        ("key", key, "(..., m, d_key)"),
-        ("value", value, "(..., m, d_value)"),
-    ):
-        _checks.require_ndim(_MHA, name, array, 2, layout)
-        _checks.require_float(_MHA, xp, name, array)
-    if key.shape[-2] != value.shape[-2]:
-        raise ValueError(
-            f"{_MHA}: value must have m = {key.shape[-2]} positions (from key), got shape {_checks.shape_of(value)}"
-        )
+    layouts = ("(..., n, d_query)", "(..., m, d_key)", "(..., m, d_value)")
+    _checks.require_query_key_value(_MHA, xp, query, key, value, layouts)
     _params.require_mapping(_MHA, params, required=("w_q", "w_k", "w_v"), optional=("w_o", *_BIASES))
     w_q = _params.matrix(_MHA, xp, params, "w_q", rows=query.shape[-1], rows_name="d_query", dtype=query.dtype)
     if w_q.shape[1] % h:

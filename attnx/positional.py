@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from attnx import _checks, _dispatch, _params
@@ -12,13 +13,7 @@ __all__ = ["LearnedPositions", "apply_rotary", "sinusoidal_positions"]
 def _frequencies(xp: Any, half: int, dim: int, base: float, dtype: Any, device: Any) -> Any:
     """``base^(-2j/dim)`` for ``j < half``."""
     exponents = xp.arange(half, dtype=dtype, device=device) * (2.0 / dim)
-    return xp.exp(exponents * -_log(base))
-
-
-def _log(value: float) -> float:
-    import math
-
-    return math.log(value)
+    return xp.exp(exponents * -math.log(base))
 
 
 def _creation_dtype(xp: Any, dtype: Any) -> Any:

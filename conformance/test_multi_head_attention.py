@@ -82,26 +82,13 @@ def test_per_head_and_additive_masks(attnx_backend):
     gen = rng(8)
     q, k = gen.standard_normal((2, n, 6)), gen.standard_normal((2, m, 6))
     per_head = gen.random((2, h, n, m)) < 0.6
+    inputs = (be.array(q, "float64"), be.array(k, "float64"), be.array(k, "float64"), params_on(be, params, "float64"))
     expected, _ = reference.multi_head_attention(q, k, k, params, h, allowed=per_head)
-    out = attnx.multi_head_attention(
-        be.array(q, "float64"),
-        be.array(k, "float64"),
-        be.array(k, "float64"),
-        params_on(be, params, "float64"),
-        num_heads=h,
-        mask=be.array(per_head),
-    )
+    out = attnx.multi_head_attention(*inputs, num_heads=h, mask=be.array(per_head))
     assert_close(out, expected, be, "float64")
     additive = np.where(per_head[:, 0], 0.0, -np.inf)
     expected, _ = reference.multi_head_attention(q, k, k, params, h, allowed=per_head[:, :1].repeat(h, 1))
-    out = attnx.multi_head_attention(
-        be.array(q, "float64"),
-        be.array(k, "float64"),
-        be.array(k, "float64"),
-        params_on(be, params, "float64"),
-        num_heads=h,
-        mask=be.array(additive, "float64"),
-    )
+    out = attnx.multi_head_attention(*inputs, num_heads=h, mask=be.array(additive, "float64"))
     assert_close(out, expected, be, "float64")
 
 
