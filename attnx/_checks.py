@@ -20,9 +20,14 @@ def shape_of(array: Any) -> tuple[int, ...]:
     return tuple(array.shape)
 
 
+def dtype_label(dtype: Any) -> str:
+    """``"float32"`` for every library's float32 (not ``torch.float32``)."""
+    return str(dtype).rpartition(".")[2]
+
+
 def dtype_name(array: Any) -> str:
-    """``"float32"`` for every backend's float32 (not ``torch.float32``)."""
-    return str(array.dtype).rpartition(".")[2]
+    """The :func:`dtype_label` of an array's dtype."""
+    return dtype_label(array.dtype)
 
 
 def require_ndim(operation: str, name: str, array: Any, min_ndim: int, layout: str) -> None:

@@ -28,7 +28,7 @@ def _check_dtype(operation: str, xp: Any, name: str, array: Any, dtype: Any) -> 
     _checks.require_float(operation, xp, f"params[{name!r}]", array)
     if dtype is not None and array.dtype != dtype:
         raise TypeError(
-            f"{operation}: params[{name!r}] has dtype {_checks.dtype_name(array)} but the inputs have {str(dtype).rpartition('.')[2]}"
+            f"{operation}: params[{name!r}] has dtype {_checks.dtype_name(array)} but the inputs have {_checks.dtype_label(dtype)}"
         )
 
 
@@ -99,7 +99,7 @@ def create(
         drawn[name] = np.zeros(size)
     dtype = "float32" if dtype is None else dtype
     if not isinstance(dtype, str):
-        dtype = str(dtype).rpartition(".")[2]
+        dtype = _checks.dtype_label(dtype)
     return {
         name: chosen.asarray(
             value.astype(np.float32) if dtype == "bfloat16" else value.astype(dtype), dtype=dtype, device=device
