@@ -87,8 +87,10 @@ def scaled_dot_product_attention(
     """
     chosen, reason = _dispatch.resolve(_SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths))
     xp = chosen.xp
-    scale, batch_shape = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
-    chunks = choose_chunks(xp, query, key, batch_shape, chunk_size, return_weights, is_causal, chosen.concurrent_blocks)
+    scale, batch_shape, n, m = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
+    chunks = choose_chunks(
+        xp, query.dtype, n, m, batch_shape, chunk_size, return_weights, is_causal, chosen.concurrent_blocks
+    )
     return _dispatch.call(
         _SDPA,
         chosen,
@@ -123,18 +125,18 @@ MIN_CAUSAL_ROWS = 64
 
 def choose_chunks(
     xp: Any,
-    query: Any,
-    key: Any,
+    dtype: Any,
+    n: int,
+    m: int,
     batch_shape: tuple[int, ...],
     chunk_size: Any,
     return_weights: bool,
     is_causal: bool = False,
     concurrent_blocks: int = 1,
 ) -> tuple[int, int] | None:
-    """``(query_chunk, key_chunk)`` for the chunked algorithm, or None for the
-    plain one: ``chunk_size`` if given, else chunks when the scores would
-    exceed the memory budget."""
-    n, m = query.shape[-2], key.shape[-2]
+    """``(query_chunk, key_chunk)`` for the chunked algorithm on ``n`` queries
+    and ``m`` keys of ``dtype``, or None for the plain one: ``chunk_size`` if
+    given, else chunks when the scores would exceed the memory budget."""
     if chunk_size is not None:
         if return_weights:
             raise ValueError(
@@ -155,7 +157,7 @@ def choose_chunks(
     budget = get_memory_budget()
     if leading * n * m * 8 <= budget:  # fits even in float64: the common, cheap case
         return None
-    itemsize = 4 if _checks.accumulation_dtype(xp, query.dtype) == xp.float32 else 8
+    itemsize = 4 if _checks.accumulation_dtype(xp, dtype) == xp.float32 else 8
     if leading * n * m * itemsize <= budget:
         return None
     key_chunk = min(m, KEY_CHUNK)
@@ -175,9 +177,9 @@ def choose_chunks(
 
 def check_attention_inputs(
     operation: str, xp: Any, query: Any, key: Any, value: Any, mask: Any, key_lengths: Any, scale: Any
-) -> tuple[float, tuple[int, ...]]:
-    """Validate query/key/value/masks; returns the scale as a Python float and
-    the broadcast leading shape."""
+) -> tuple[float, tuple[int, ...], int, int]:
+    """Validate query/key/value/masks; returns the scale as a Python float,
+    the broadcast leading shape, ``n`` and ``m``."""
     q_shape, k_shape, v_shape = tuple(query.shape), tuple(key.shape), tuple(value.shape)
     if len(q_shape) < 2 or len(k_shape) < 2 or len(v_shape) < 2:
         _checks.require_ndim(operation, "query", query, 2, "(..., n, d_k)")
@@ -188,7 +190,7 @@ def check_attention_inputs(
         for name, array in (("query", query), ("key", key), ("value", value)):
             _checks.require_float(operation, xp, name, array)
         _checks.require_same_dtype(operation, ("query", "key", "value"), (query, key, value))
-    n, d_k = q_shape[-2:]
+    n, d_k = q_shape[-2], q_shape[-1]
     m = k_shape[-2]
     if k_shape[-1] != d_k:
         raise ValueError(f"{operation}: key must have shape (..., m, d_k) with d_k = {d_k} (from query), got {k_shape}")
@@ -197,12 +199,13 @@ def check_attention_inputs(
     batch_shape = q_shape[:-2]
     if not batch_shape == k_shape[:-2] == v_shape[:-2]:
         batch_shape = _checks.broadcast(operation, {"query": batch_shape, "key": k_shape[:-2], "value": v_shape[:-2]})
-    _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, n, m)
+    if mask is not None or key_lengths is not None:
+        _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, n, m)
     if scale is None:
-        return (1.0 / math.sqrt(d_k) if d_k else 1.0), batch_shape
+        return (1.0 / math.sqrt(d_k) if d_k else 1.0), batch_shape, n, m
     # A Python float keeps NumPy 2 from promoting float32 inputs (NEP 50).
     try:
-        return float(scale), batch_shape
+        return float(scale), batch_shape, n, m
     except TypeError:
         raise TypeError(f"{operation}: scale must be a real number, got {type(scale).__name__}") from None
 

@@ -63,7 +63,9 @@ class TorchBackend(Backend):
     def synchronize(self, device: Any = None) -> None:
         import torch
 
-        if torch.cuda.is_available():
+        # Without CUDA initialised no GPU work can be queued; and the check is
+        # cheap where ``is_available()`` costs microseconds per call.
+        if torch.cuda.is_initialized():
             torch.cuda.synchronize(device)
 
     def gradients(self, function: Callable[..., Any], arrays: list[Any]) -> list[Any]:

@@ -48,4 +48,8 @@ def pytest_terminal_summary(terminalreporter, config):
         ratio = median / fastest[bench.group] if bench.group in fastest else None
         gflops = bench.extra_info.get("flops", 0) / median / 1e9 if median else 0
         text = f"{bench.group:40s} {bench.name:60s} {median * 1e3:9.3f} ms {gflops:7.1f} GFLOP/s"
-        terminalreporter.write_line(text + (f"  x{ratio:.2f}" if ratio is not None else ""))
+        if ratio is not None:
+            text += f"  x{ratio:.2f}"
+            if bench.group.startswith("tiny"):  # the target there is time added per call
+                text += f" ({(median - fastest[bench.group]) * 1e6:+.1f} us)"
+        terminalreporter.write_line(text)

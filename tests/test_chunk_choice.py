@@ -13,7 +13,16 @@ XP = attnx._registry.get("numpy").xp
 
 def chunks(shape, *, causal=False, dtype=np.float32, **kwargs):
     q = np.zeros(shape, dtype=dtype)
-    return choose_chunks(XP, q, q, shape[:-2], kwargs.get("chunk_size"), kwargs.get("return_weights", False), causal)
+    return choose_chunks(
+        XP,
+        q.dtype,
+        shape[-2],
+        shape[-2],
+        shape[:-2],
+        kwargs.get("chunk_size"),
+        kwargs.get("return_weights", False),
+        causal,
+    )
 
 
 def test_small_problems_use_the_plain_algorithm():
