@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import GRID
+from overhead import checked_torch_sdpa
 
 import attnx
 from attnx.benchmark import textbook_attention
@@ -98,26 +99,12 @@ def test_tiny_torch_direct(benchmark):
 
 
 def test_tiny_torch_checked(benchmark):
-    """The floor for any validating wrapper: PyTorch's SDPA behind the fewest
-    checks attnx's contract asks for (ranks, dtypes, sizes), written inline."""
-    torch = pytest.importorskip("torch")
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    """The floor of any validating wrapper (see ``overhead.checked_torch_sdpa``)."""
+    pytest.importorskip("torch")
     q, k, v = inputs("torch", TINY)
-
-    def checked(query, key, value):
-        q_shape, k_shape, v_shape = tuple(query.shape), tuple(key.shape), tuple(value.shape)
-        if len(q_shape) < 2 or len(k_shape) < 2 or len(v_shape) < 2:
-            raise ValueError("query, key and value need at least two dimensions")
-        if query.dtype not in floats or key.dtype != query.dtype or value.dtype != query.dtype:
-            raise TypeError("query, key and value need one floating dtype")
-        if k_shape[-1] != q_shape[-1] or v_shape[-2] != k_shape[-2] or not q_shape[:-2] == k_shape[:-2] == v_shape[:-2]:
-            raise ValueError("query, key and value shapes do not match")
-        return sdpa(query, key, value, None, 0.0, False, scale=1.0 / q_shape[-1] ** 0.5)
-
     benchmark.group = f"tiny {TINY} on torch"
     benchmark.extra_info.update(flops=flops(TINY, False), baseline=False)
-    benchmark(lambda: checked(q, k, v))
+    benchmark(lambda: checked_torch_sdpa(q, k, v))
 
 
 def test_tiny_numpy_textbook(benchmark):
