@@ -87,6 +87,14 @@ def resolve(
     return current_backend()
 
 
+def resolve_creation(operation: str, backend: str | None, device: Any) -> tuple[Backend, str, Any]:
+    """For operations that create arrays from nothing: the backend
+    (``backend=``, else the current one), why, and ``device`` in its
+    library's terms (:meth:`Backend.device`)."""
+    chosen, reason = resolve(operation, backend, (), ())
+    return chosen, reason, chosen.device(device)
+
+
 def call(
     operation: str,
     backend: Backend,

@@ -87,7 +87,7 @@ def create(
     """
     import numpy as np
 
-    chosen, _ = _dispatch.resolve(operation, backend, (), ())
+    chosen, _, device = _dispatch.resolve_creation(operation, backend, device)
     generator = np.random.default_rng(seed)
     drawn: dict[str, Any] = {}
     for name, (fan_in, fan_out) in xavier.items():

@@ -12,7 +12,7 @@ from typing import Any
 import pluggy
 
 from attnx import hookspecs
-from attnx.backend import Backend
+from attnx.backend import Backend, device_label
 from attnx.errors import BackendUnavailableError, PluginError, PluginWarning
 
 ENTRY_POINT_GROUP = "attnx.backends"
@@ -198,7 +198,7 @@ class Registry:
             if reason is None:
                 try:
                     version = entry.backend.version()
-                    devices = tuple(_device_label(d) for d in entry.backend.devices())
+                    devices = tuple(device_label(d) for d in entry.backend.devices())
                 except Exception as exc:
                     reason = f"failed to query: {exc!r}"
             rows.append(BackendInfo(name, reason is None, reason, version, devices or (), entry.distribution))
@@ -206,14 +206,6 @@ class Registry:
             if entry.plugin not in self._entries:
                 rows.append(BackendInfo(entry.plugin, False, entry.error, None, (), entry.distribution))
         return rows
-
-
-def _device_label(device: Any) -> str:
-    """``cuda:0`` for ``device(type='cuda', index=0)``-like reprs too."""
-    text = str(device)
-    if text.endswith("')") and "('" in text:  # Device('CPU_DEVICE')
-        return text.partition("('")[2][:-2]
-    return text
 
 
 def _dist_name(ep: Any) -> str | None:

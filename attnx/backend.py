@@ -13,7 +13,16 @@ from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import Any
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "device_label"]
+
+
+def device_label(device: Any) -> str:
+    """A device's name as ``attnx backends`` lists it: ``"cuda:0"``, and
+    ``"device1"`` for ``Device('device1')``-like reprs."""
+    text = str(device)
+    if text.endswith("')") and "('" in text:
+        return text.partition("('")[2][:-2]
+    return text
 
 
 class Backend:
@@ -64,6 +73,22 @@ class Backend:
     def devices(self) -> list[Any]:
         """Devices arrays can live on, default first."""
         return ["cpu"]
+
+    def device(self, device: Any) -> Any:
+        """``device`` in the library's own terms, for the functions that create
+        arrays from nothing (``device=`` of :func:`attnx.asarray`, masks,
+        positions, parameters).
+
+        A name that :meth:`devices` lists (by :func:`device_label`, so
+        ``"device1"`` for ``Device('device1')``) becomes that device object;
+        anything else (``None``, the library's own device objects, names the
+        library reads itself, such as PyTorch's ``"cuda"``) passes unchanged.
+        """
+        if isinstance(device, str):
+            for candidate in self.devices():
+                if not isinstance(candidate, str) and device_label(candidate) == device:
+                    return candidate
+        return device
 
     # -- arrays -----------------------------------------------------------
     def namespace(self) -> ModuleType:

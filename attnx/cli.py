@@ -80,6 +80,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     ]
     for name in args.names:
         command += ["--attnx-backend", name]
+    if args.device is not None:
+        command += ["--attnx-device", args.device]
     return int(pytest.main([*command, *args.pytest_args]))
 
 
@@ -152,6 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Run attnx's conformance suite on the named backends; unknown options (-x, -k EXPR) go to pytest.",
     )
     conformance.add_argument("names", nargs="+", metavar="BACKEND")
+    conformance.add_argument(
+        "--device", help="run on this device, as `attnx backends` lists it (cuda:0); default: the backend's default"
+    )
     conformance.set_defaults(run=cmd_conformance)
     bench = sub.add_parser("bench", help="time and peak memory across backends, with a report and plots")
     bench.add_argument("--backends", nargs="+", default=["numpy"], metavar="NAME")

@@ -21,7 +21,7 @@ def asarray(obj: Any, *, backend: str | None = None, dtype: Any = None, device: 
     >>> attnx.asarray([1.0, 2.0], backend="numpy", dtype="float32")
     array([1., 2.], dtype=float32)
     """
-    target = _dispatch.resolve("asarray", backend, (), ())[0]
+    target, _, device = _dispatch.resolve_creation("asarray", backend, device)
     owner = registry.owner_of(obj) if not isinstance(obj, (list, tuple, int, float, bool)) else None
     if owner is not None and owner is not target:
         obj = owner.to_numpy(obj)

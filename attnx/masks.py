@@ -27,10 +27,6 @@ from attnx._masking import Align
 __all__ = ["causal", "from_lengths", "sliding_window"]
 
 
-def _creation_backend(operation: str, backend: str | None) -> Any:
-    return _dispatch.resolve(operation, backend, (), ())[0]
-
-
 def causal(
     n: int, m: int | None = None, *, align: Align = "bottom_right", backend: str | None = None, device: Any = None
 ) -> Any:
@@ -44,7 +40,8 @@ def causal(
     n = _checks.require_positive_int("causal", "n", n, allow_zero=True)
     m = n if m is None else _checks.require_positive_int("causal", "m", m, allow_zero=True)
     _masking._offset(n, m, align)
-    return _masking.causal(_creation_backend("causal", backend).xp, n, m, align=align, device=device)
+    chosen, _, device = _dispatch.resolve_creation("causal", backend, device)
+    return _masking.causal(chosen.xp, n, m, align=align, device=device)
 
 
 def sliding_window(
@@ -80,8 +77,8 @@ def sliding_window(
     left = None if left is None else _checks.require_positive_int(operation, "window (left)", left, allow_zero=True)
     right = None if right is None else _checks.require_positive_int(operation, "window (right)", right, allow_zero=True)
     _masking._offset(n, m, align)
-    xp = _creation_backend(operation, backend).xp
-    return _masking.window(xp, n, m, left, right, align=align, device=device)
+    chosen, _, device = _dispatch.resolve_creation(operation, backend, device)
+    return _masking.window(chosen.xp, n, m, left, right, align=align, device=device)
 
 
 def from_lengths(lengths: Any, m: int, *, backend: str | None = None) -> Any:

@@ -48,7 +48,7 @@ def sinusoidal_positions(
     num_positions = _checks.require_positive_int(op, "num_positions", num_positions, allow_zero=True)
     dim = _checks.require_positive_int(op, "dim", dim)
     base = _positive_base(op, base)
-    chosen, reason = _dispatch.resolve(op, backend, (), ())
+    chosen, reason, device = _dispatch.resolve_creation(op, backend, device)
     return _dispatch.call(
         op,
         chosen,

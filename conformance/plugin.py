@@ -24,6 +24,7 @@ import pytest
 
 ENV = "ATTNX_TEST_BACKEND"
 XFAILS_ENV = "ATTNX_TEST_XFAILS"
+DEVICE_ENV = "ATTNX_TEST_DEVICE"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -34,6 +35,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="NAME",
         help=f"run the attnx conformance suite on this backend (repeatable; default ${ENV} or all)",
+    )
+    group.addoption(
+        "--attnx-device",
+        default=os.environ.get(DEVICE_ENV) or None,
+        metavar="DEVICE",
+        help=f"make the inputs on this device, named as `attnx backends` lists it (default ${DEVICE_ENV} or the backend's default)",
     )
     group.addoption(
         "--attnx-xfails",
@@ -96,15 +103,18 @@ class BackendUnderTest:
         return self.backend.xp
 
     def array(self, data: Any, dtype: str | None = None) -> Any:
-        """A NumPy array (or nested list) as this backend's array."""
+        """A NumPy array (or nested list) as this backend's array, on the
+        device under test (through :func:`attnx.asarray`, as a user would)."""
         import numpy as np
+
+        import attnx
 
         data = np.asarray(data)
         if dtype == "bfloat16":
-            return self.backend.asarray(data.astype(np.float32), dtype="bfloat16", device=self.device)
+            return attnx.asarray(data.astype(np.float32), backend=self.name, dtype="bfloat16", device=self.device)
         if dtype is not None:
             data = data.astype(dtype)
-        return self.backend.asarray(data, device=self.device)
+        return attnx.asarray(data, backend=self.name, device=self.device)
 
     def numpy(self, array: Any) -> Any:
         return self.backend.to_numpy(array)
@@ -125,7 +135,7 @@ def attnx_backend(request: pytest.FixtureRequest) -> Iterator[BackendUnderTest]:
         backend = attnx._registry.get(name)
     except (ValueError, RuntimeError) as exc:
         pytest.skip(str(exc))
-    device = os.environ.get("ATTNX_TEST_DEVICE") or None
+    device = request.config.getoption("--attnx-device", default=None)
     with attnx.use_backend(name):
         yield BackendUnderTest(name, backend, device, tuple(backend.float_dtypes))
 

@@ -84,3 +84,39 @@ def test_asarray_and_to_numpy_round_trip():
     np.testing.assert_array_equal(attnx.to_numpy(x), [0.0, 1.0, 2.0])
     y = attnx.asarray(x, backend="numpy")
     assert isinstance(y, np.ndarray)
+
+
+def test_device_names_become_the_library_s_devices():
+    class Device:
+        def __init__(self, name):
+            self.name = name
+
+        def __repr__(self):
+            return f"mylib.Device({self.name!r})"
+
+    devices = [Device("CPU_DEVICE"), Device("device1")]
+
+    class Backend(attnx.Backend):
+        def devices(self):
+            return devices
+
+    backend = Backend()
+    assert backend.device("device1") is devices[1]
+    assert backend.device(devices[0]) is devices[0]  # the library's own objects pass unchanged
+    assert backend.device("cuda") == "cuda"  # a name the library may read itself
+    assert backend.device(None) is None
+    assert attnx.backend.device_label(devices[1]) == "device1"
+
+
+def test_creation_functions_take_device_names():
+    strict = pytest.importorskip("array_api_strict")
+    if "array_api_strict" not in {info.name for info in attnx.list_backends() if info.available}:
+        pytest.skip("the example array-api-strict backend is not installed")
+    made = [
+        attnx.asarray(np.ones(3), backend="array_api_strict", device="device1"),
+        attnx.masks.causal(3, backend="array_api_strict", device="device1"),
+        attnx.masks.sliding_window(3, window=1, backend="array_api_strict", device="device1"),
+        attnx.sinusoidal_positions(3, 4, backend="array_api_strict", device="device1"),
+        attnx.init_multi_head_params(8, 2, backend="array_api_strict", device="device1")["w_q"],
+    ]
+    assert all(array.device == strict.Device("device1") for array in made)
