@@ -37,7 +37,7 @@ def resolve(
 
     ``names`` are the argument names, used in error messages only.
     """
-    owner = owner_name = owner_array = None
+    owner = owner_name = owner_array = owner_device = None
     known_types = registry._type_owners  # the hot path: one dict lookup per array
     for name, array in zip(names, arrays):
         if array is None:
@@ -57,7 +57,15 @@ def resolve(
             )
         if owner is None:
             owner, owner_name, owner_array = found, name, array
-        elif found is not owner:
+            owner_device = getattr(array, "device", None)
+        elif found is owner:
+            device = getattr(array, "device", None)
+            if device != owner_device:
+                raise ValueError(
+                    f"{operation}: inputs lie on two devices: {owner_name} on {owner_device} but {name} on "
+                    f"{device}; move one with attnx.asarray(x, device=...)"
+                )
+        else:
             raise TypeError(
                 f"{operation}: inputs come from two backends: {owner_name} is a {owner.name!r} "
                 f"array but {name} is a {found.name!r} array; convert one with "

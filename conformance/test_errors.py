@@ -64,3 +64,17 @@ def test_explicit_backend_that_does_not_own_the_inputs(attnx_backend):
     mixed = [be.array(np.ones((3, 4)), "float32"), arrays[1], arrays[2]]
     with pytest.raises(TypeError, match="two backends"):
         attnx.scaled_dot_product_attention(*mixed)
+
+
+def test_inputs_on_two_devices(attnx_backend):
+    be = attnx_backend
+    devices = [attnx.backend.device_label(d) for d in be.backend.devices()]
+    if len(devices) < 2:
+        pytest.skip(f"{be.name} has one device here")
+    under_test = [be.device] if be.device in devices else []
+    first, second = (under_test + [d for d in devices if d not in under_test])[:2]
+    data = np.ones((2, 3, 4))
+    on_first = attnx.asarray(data, backend=be.name, dtype="float32", device=first)
+    on_second = attnx.asarray(data, backend=be.name, dtype="float32", device=second)
+    with pytest.raises(ValueError, match=r"two devices: query on .* but key on"):
+        attnx.scaled_dot_product_attention(on_first, on_second, on_first)
