@@ -22,6 +22,7 @@ def chunks(shape, *, causal=False, dtype=np.float32, **kwargs):
         kwargs.get("chunk_size"),
         kwargs.get("return_weights", False),
         causal,
+        kwargs.get("workers", 1),
     )
 
 
@@ -35,6 +36,16 @@ def test_large_problems_are_chunked_within_the_block_size():
     assert rows * keys * 4 <= BLOCK_BYTES and rows >= 128
     rows, keys = chunks((1, 8, 4096, 64))
     assert 8 * rows * keys * 4 <= 4 * BLOCK_BYTES
+
+
+def test_concurrent_workers_share_mid_sized_problems():
+    assert chunks((1, 8, 128, 64), workers=2) == (64, 128)  # within the budget, but two blocks to share
+    assert chunks((1, 8, 64, 64), workers=2) is None  # too small to pay for threads
+    assert chunks((1, 1, 256, 64), workers=2) is None
+    assert chunks((1, 1, 1024, 64), workers=2) == (512, 1024)
+    assert chunks((1, 1, 1024, 64), workers=16) == (64, 1024)  # never thinner than 64 rows
+    rows, _ = chunks((1, 8, 2048, 64), workers=2)
+    assert rows <= 1024
 
 
 def test_causal_blocks_are_thinner():
