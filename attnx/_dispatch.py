@@ -37,12 +37,13 @@ def resolve(
 
     ``names`` are the argument names, used in error messages only.
     """
-    owner = owner_name = owner_array = owner_device = None
+    owner = owner_name = owner_array = None
     known_types = registry._type_owners  # the hot path: one dict lookup per array
     for name, array in zip(names, arrays):
         if array is None:
             continue
-        found = known_types.get(type(array))
+        kind = type(array)
+        found = known_types.get(kind)
         if found is None:
             if isinstance(array, _NOT_ARRAYS):
                 continue
@@ -57,14 +58,9 @@ def resolve(
             )
         if owner is None:
             owner, owner_name, owner_array = found, name, array
-            owner_device = getattr(array, "device", None)
         elif found is owner:
-            device = getattr(array, "device", None)
-            if device != owner_device:
-                raise ValueError(
-                    f"{operation}: inputs lie on two devices: {owner_name} on {owner_device} but {name} on "
-                    f"{device}; move one with attnx.asarray(x, device=...)"
-                )
+            if kind in registry._multi_device_types:
+                _require_same_device(operation, owner_name, owner_array, name, array)
         else:
             raise TypeError(
                 f"{operation}: inputs come from two backends: {owner_name} is a {owner.name!r} "
@@ -101,6 +97,16 @@ def resolve_creation(operation: str, backend: str | None, device: Any) -> tuple[
     library's terms (:meth:`Backend.device`)."""
     chosen, reason = resolve(operation, backend, (), ())
     return chosen, reason, chosen.device(device)
+
+
+def _require_same_device(operation: str, first_name: str, first: Any, name: str, array: Any) -> None:
+    # ``.device`` is the standard's attribute; arrays without one pass.
+    first_device, device = getattr(first, "device", None), getattr(array, "device", None)
+    if device != first_device:
+        raise ValueError(
+            f"{operation}: inputs lie on two devices: {first_name} on {first_device} but {name} on {device}; "
+            f"move one with attnx.asarray(x, device=...)"
+        )
 
 
 def call(

@@ -63,6 +63,9 @@ class Registry:
         self._failures: list[_Entry] = []
         self._type_owners: dict[type, Backend] = {}
         self._shared_types: set[type] = set()
+        #: Array types whose owner has several devices: only their inputs are
+        #: compared device by device (the comparison costs a microsecond a call).
+        self._multi_device_types: set[type] = set()
         self._loaded = False
         self._lock = threading.RLock()
 
@@ -117,6 +120,7 @@ class Registry:
                 self._add_backend(_Entry(backend, name, distribution))
         self._type_owners.clear()
         self._shared_types.clear()
+        self._multi_device_types.clear()
 
     def _add_backend(self, entry: _Entry) -> None:
         name = entry.backend.name
@@ -151,6 +155,8 @@ class Registry:
             self._failures = [e for e in self._failures if e.plugin != name]
             self._type_owners.clear()
             self._shared_types.clear()
+            self._multi_device_types.clear()
+        self._multi_device_types.clear()
 
     def names(self) -> list[str]:
         self._ensure_loaded()
@@ -183,6 +189,8 @@ class Registry:
                 owner = self._type_owners[kind] = owners[0]
                 if len(owners) > 1:
                     self._shared_types.add(kind)
+                if _device_count(owner) > 1:
+                    self._multi_device_types.add(kind)
         return owner
 
     def is_shared(self, kind: type) -> bool:
@@ -206,6 +214,13 @@ class Registry:
             if entry.plugin not in self._entries:
                 rows.append(BackendInfo(entry.plugin, False, entry.error, None, (), entry.distribution))
         return rows
+
+
+def _device_count(backend: Backend) -> int:
+    try:
+        return len(backend.devices())
+    except Exception:  # can't tell: compare devices, to be safe
+        return 2
 
 
 def _dist_name(ep: Any) -> str | None:
