@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,7 +13,10 @@ import attnx
 
 pytestmark = pytest.mark.attnx_operation("scaled_dot_product_attention")
 
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+#: Examples per property: 25 keeps the suite quick; ``ATTNX_TEST_EXAMPLES=1000``
+#: makes a longer hunt for rare inputs.
+EXAMPLES = int(os.environ.get("ATTNX_TEST_EXAMPLES", "25"))
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @st.composite
