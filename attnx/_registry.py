@@ -156,7 +156,6 @@ class Registry:
             self._type_owners.clear()
             self._shared_types.clear()
             self._multi_device_types.clear()
-        self._multi_device_types.clear()
 
     def names(self) -> list[str]:
         self._ensure_loaded()
