@@ -7,7 +7,8 @@ the peak memory of one call from another, read from the process's own
 high-water mark (``/proc/self/status``'s VmHWM, reset through
 ``/proc/self/clear_refs`` just before the call; large allocations are forced
 to ``mmap`` there so freed memory really leaves, which would slow the timed
-process).  On CUDA, PyTorch's own counters are used instead.
+process).  On CUDA, PyTorch's own counters are used instead, and for CuPy
+a hook on its memory pool counts what the call takes from it.
 
 The report compares, for each size, attnx on each backend with the
 baselines a user would otherwise pick, measured in the same run: PyTorch's
@@ -184,7 +185,7 @@ def _peak_extra_bytes(function: Callable[[], Any], sync: Callable[[], None], cas
         sync()
         return torch.cuda.max_memory_allocated() - base
     if _library(case) == "cupy":
-        return None  # CuPy's memory pool keeps no high-water mark: not measured
+        return _cupy_peak_bytes(function, sync)
     if not os.path.exists("/proc/self/clear_refs"):
         return None
     import gc
@@ -201,6 +202,38 @@ def _peak_extra_bytes(function: Callable[[], Any], sync: Callable[[], None], cas
     peak = _rss_kib("VmHWM")
     del result
     return max(0, peak - base) * 1024
+
+
+class PoolPeak:
+    """Bytes in use from a memory pool and their peak, counted from the pool's
+    malloc and free callbacks (CuPy's ``MemoryHook`` protocol)."""
+
+    name = "attnx_pool_peak"
+
+    def __init__(self) -> None:
+        self.in_use = self.peak = 0
+
+    def malloc_postprocess(self, **kwargs: Any) -> None:
+        self.in_use += kwargs["mem_size"]
+        self.peak = max(self.peak, self.in_use)
+
+    def free_postprocess(self, **kwargs: Any) -> None:
+        self.in_use -= kwargs["mem_size"]
+
+
+def _cupy_peak_bytes(function: Callable[[], Any], sync: Callable[[], None]) -> int:
+    """Peak bytes one call takes from CuPy's memory pool.  The pool keeps no
+    high-water mark, so a memory hook counts its mallocs and frees."""
+    from cupy.cuda import memory_hook
+
+    hook_class = type("PoolPeakHook", (PoolPeak, memory_hook.MemoryHook), {})
+    hook = hook_class()
+    sync()
+    with hook:  # registered for this thread while the call runs
+        result = function()
+        sync()
+    del result
+    return hook.peak
 
 
 def run_case(case: Case, what: str = "both") -> Result:

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from attnx.benchmark import Case, Result, fit_exponent, ratios
+from attnx.benchmark import Case, PoolPeak, Result, fit_exponent, ratios
 
 
 def test_bench_writes_table_json_and_plots(tmp_path):
@@ -62,3 +62,11 @@ def test_ratio_is_against_the_fastest_baseline_of_the_same_size():
 def test_fit_exponent_recovers_a_power_law():
     sizes = [128, 256, 512, 1024]
     assert abs(fit_exponent(sizes, [3e-9 * n**2 for n in sizes]) - 2.0) < 1e-9
+
+
+def test_pool_peak_counts_what_is_in_use_at_once():
+    # The accounting behind CuPy's peak memory (its pool's hooks call these).
+    peak = PoolPeak()
+    for event, size in [("malloc", 512), ("malloc", 1024), ("free", 512), ("malloc", 256), ("free", 1024)]:
+        getattr(peak, f"{event}_postprocess")(device_id=0, mem_size=size, mem_ptr=1, pmem_id=1)
+    assert (peak.peak, peak.in_use) == (1536, 256)
