@@ -32,6 +32,22 @@ def backend(request):
     return chosen
 
 
+def timed(benchmark, function, backend=None):
+    """``benchmark(function)`` after one untimed call (lazy imports and caches
+    would otherwise skew pytest-benchmark's calibration), with a GPU
+    backend's queued work waited for in every timed call."""
+    function()
+    if backend is not None and backend.name != "numpy":
+
+        def synchronised():
+            result = function()
+            backend.synchronize()
+            return result
+
+        return benchmark(synchronised)
+    return benchmark(function)
+
+
 def pytest_terminal_summary(terminalreporter, config):
     session = getattr(config, "_benchmarksession", None)
     benchmarks = [b for b in getattr(session, "benchmarks", []) if b.stats is not None]

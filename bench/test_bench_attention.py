@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import GRID
+from conftest import GRID, timed
 from overhead import checked_torch_sdpa
 
 import attnx
@@ -28,18 +28,6 @@ def inputs(backend_name, shape, dtype="float32"):
     return [attnx.asarray(a, backend=backend_name, dtype=dtype) for a in arrays]
 
 
-def run(benchmark, function, backend=None):
-    if backend is not None and backend.name != "numpy":
-
-        def synchronised():
-            result = function()
-            backend.synchronize()
-            return result
-
-        return benchmark(synchronised)
-    return benchmark(function)
-
-
 def _dtypes():
     return ["float32", "float16", "bfloat16"] if GRID == "full" else ["float32"]
 
@@ -53,7 +41,7 @@ def test_attnx(benchmark, backend, shape, causal, dtype):
     q, k, v = inputs(backend.name, shape, dtype)
     benchmark.group = f"sdpa {'causal' if causal else 'full'} {shape} {dtype}"
     benchmark.extra_info.update(flops=flops(shape, causal), baseline=False)
-    run(benchmark, lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=causal), backend)
+    timed(benchmark, lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=causal), backend)
 
 
 @pytest.mark.parametrize("dtype", _dtypes())
@@ -64,7 +52,7 @@ def test_torch_sdpa_baseline(benchmark, shape, causal, dtype):
     q, k, v = inputs("torch", shape, dtype)
     benchmark.group = f"sdpa {'causal' if causal else 'full'} {shape} {dtype}"
     benchmark.extra_info.update(flops=flops(shape, causal), baseline=True)
-    benchmark(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    timed(benchmark, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -75,7 +63,7 @@ def test_numpy_textbook_baseline(benchmark, shape, causal):
     q, k, v = inputs("numpy", shape)
     benchmark.group = f"sdpa {'causal' if causal else 'full'} {shape} float32"
     benchmark.extra_info.update(flops=flops(shape, causal), baseline=True)
-    benchmark(lambda: textbook_attention(q, k, v, causal))
+    timed(benchmark, lambda: textbook_attention(q, k, v, causal))
 
 
 # -- the cost of dispatch and checks on tiny inputs ------------------------------------
@@ -87,7 +75,7 @@ def test_tiny_attnx(benchmark, backend):
     q, k, v = inputs(backend.name, TINY)
     benchmark.group = f"tiny {TINY} on {backend.name}"
     benchmark.extra_info.update(flops=flops(TINY, False), baseline=False)
-    run(benchmark, lambda: attnx.scaled_dot_product_attention(q, k, v), backend)
+    timed(benchmark, lambda: attnx.scaled_dot_product_attention(q, k, v), backend)
 
 
 def test_tiny_torch_direct(benchmark):
@@ -95,7 +83,7 @@ def test_tiny_torch_direct(benchmark):
     q, k, v = inputs("torch", TINY)
     benchmark.group = f"tiny {TINY} on torch"
     benchmark.extra_info.update(flops=flops(TINY, False), baseline=True)
-    benchmark(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    timed(benchmark, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
 
 
 def test_tiny_torch_checked(benchmark):
@@ -104,14 +92,14 @@ def test_tiny_torch_checked(benchmark):
     q, k, v = inputs("torch", TINY)
     benchmark.group = f"tiny {TINY} on torch"
     benchmark.extra_info.update(flops=flops(TINY, False), baseline=False)
-    benchmark(lambda: checked_torch_sdpa(q, k, v))
+    timed(benchmark, lambda: checked_torch_sdpa(q, k, v))
 
 
 def test_tiny_numpy_textbook(benchmark):
     q, k, v = inputs("numpy", TINY)
     benchmark.group = f"tiny {TINY} on numpy"
     benchmark.extra_info.update(flops=flops(TINY, False), baseline=True)
-    benchmark(lambda: textbook_attention(q, k, v))
+    timed(benchmark, lambda: textbook_attention(q, k, v))
 
 
 def inplace_attention(q, k, v, causal=False):
@@ -136,4 +124,4 @@ def test_numpy_inplace_baseline(benchmark, shape, causal):
     q, k, v = inputs("numpy", shape)
     benchmark.group = f"sdpa {'causal' if causal else 'full'} {shape} float32"
     benchmark.extra_info.update(flops=flops(shape, causal), baseline=True)
-    benchmark(lambda: inplace_attention(q, k, v, causal))
+    timed(benchmark, lambda: inplace_attention(q, k, v, causal))
