@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attnx._table import format_table
+
 #: Operations a case can time.  Baselines run only the SDPA operations.
 OPERATIONS = ("sdpa", "sdpa_causal", "multi_head_attention", "additive_attention")
 #: Baselines: name -> the library they need.
@@ -117,6 +119,28 @@ def _library(case: Case) -> str:
     if case.implementation.startswith("attnx:"):
         return case.implementation.partition(":")[2]
     return BASELINES[case.implementation]
+
+
+def measured_dtype(case: Case) -> str:
+    """The dtype a case really ran in: NumPy has no bfloat16, so the textbook
+    baseline asked for it runs in float32."""
+    if case.dtype == "bfloat16" and _library(case) == "numpy":
+        return "float32"
+    return case.dtype
+
+
+def load_warning(threads: int | None = None) -> str | None:
+    """A sentence when the machine is busier than the cores a sweep uses
+    (the 1-minute load average above them): its figures will be noisy."""
+    try:
+        load = os.getloadavg()[0]
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return None
+    used = min(threads or cores, cores)
+    if load <= used:
+        return None
+    return f"the machine is busy (load average {load:.1f} over the {used} cores this sweep uses): figures will be noisy"
 
 
 def textbook_attention(q: Any, k: Any, v: Any, causal: bool = False) -> Any:
@@ -428,12 +452,13 @@ def table_rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
         if r.error:
             rows.append((c.operation, c.implementation, shape, c.dtype, "error", "", "", r.error[:60]))
             continue
+        dtype = measured_dtype(c)
         rows.append(
             (
                 c.operation,
                 c.implementation,
                 shape,
-                c.dtype,
+                dtype if dtype == c.dtype else f"{dtype} (asked {c.dtype}: NumPy has none)",
                 f"{r.median_s * 1e3:.2f}",
                 f"{r.gflops:.1f}",
                 "" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}",
@@ -511,6 +536,11 @@ def plot(results: Sequence[Result], folder: Path) -> list[Path]:
                 slope = fit_exponent(sizes, values)
                 label = implementation + (f" (slope {slope:.2f})" if slope is not None else "")
                 ax.loglog(sizes, values, "o-", label=label)
+            # One labelled tick per measured size, horizontal and apart: the
+            # default log ticks put minor labels on top of each other.
+            sizes_measured = sorted({size for (op, _), points in series.items() if op == operation for size, _ in points})
+            ax.set_xticks(sizes_measured, labels=[str(size) for size in sizes_measured], rotation=45 if len(sizes_measured) > 6 else 0)
+            ax.minorticks_off()
             ax.set_xlabel("sequence length n")
             ax.set_ylabel(ylabel)
             ax.set_title(operation)
@@ -525,9 +555,7 @@ def plot(results: Sequence[Result], folder: Path) -> list[Path]:
 
 
 def print_table(results: Sequence[Result]) -> None:
-    from attnx.cli import _table
-
-    print(_table(HEADERS, table_rows(results)))
+    print(format_table(HEADERS, table_rows(results)))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,18 +1,76 @@
-"""The ``attnx`` command line: ``backends``, ``demo``, ``conformance``."""
+"""The ``attnx`` command line: ``backends``, ``demo``, ``conformance``, ``bench``.
+
+Every user mistake (an unknown backend, a size of 0, an unknown operation)
+is found before any work starts and reported as one line on stderr with
+exit status 2, as argparse reports its own errors.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import NoReturn
+
+from attnx._table import format_table
+
+#: Float dtypes ``attnx bench`` can time (a backend must declare the one asked for).
+BENCH_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line: ``attnx bench: error: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Every option's default after its help (unless the help states it);
+    each command on one line; the descriptions' line breaks kept."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=28, width=min(110, max(80, _terminal_width())))
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (argparse.SUPPRESS, None) or not action.option_strings:
+            return text
+        default = action.default
+        if isinstance(default, list):
+            default = " ".join(map(str, default))
+        elif isinstance(default, bool):
+            default = "off" if not default else "on"
+        return f"{text} (default: {default})"
+
+
+def _terminal_width() -> int:
+    import shutil
+
+    return shutil.get_terminal_size().columns
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _usable_backend(name: str, parser: argparse.ArgumentParser, option: str) -> object:
+    """The registered, available backend ``name``, or a one-line usage error."""
+    import attnx
+
+    try:
+        return attnx._registry.get(name)
+    except (ValueError, attnx.BackendUnavailableError) as exc:
+        parser.error(f"argument {option}: {exc}")
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
@@ -29,11 +87,12 @@ def cmd_backends(args: argparse.Namespace) -> int:
         )
         for info in attnx.list_backends()
     ]
-    print(_table(("backend", "available", "version", "devices", "from", "reason"), rows))
+    print(format_table(("backend", "available", "version", "devices", "from", "reason"), rows))
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    _usable_backend(args.backend, args.parser, "--backend")
     import numpy as np
 
     import attnx
@@ -65,15 +124,21 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         import hypothesis  # noqa: F401
         import pytest
     except ImportError as exc:
-        print(f"attnx conformance needs the test extra: pip install 'attnx[test]' ({exc})", file=sys.stderr)
-        return 2
+        args.parser.error(f"needs the test extra: pip install 'attnx[test]' ({exc})")
+    from attnx_conformance.plugin import selection_problem
 
-    # attnx is imported already (this command), so pytest cannot rewrite its asserts: expected.
+    problem = selection_problem(args.names, args.device, args.allow_unavailable, flag="--allow-unavailable")
+    if problem is not None:
+        args.parser.error(problem)
+    # attnx is imported already (this command), so pytest cannot rewrite its
+    # asserts: expected.  No cache and no benchmark folder in the user's folder.
     command = [
         "--pyargs",
         "attnx_conformance",
         "-p",
         "no:cacheprovider",
+        "-p",
+        "no:benchmark",
         "-q",
         "-W",
         "ignore::pytest.PytestAssertRewriteWarning",
@@ -82,15 +147,37 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         command += ["--attnx-backend", name]
     if args.device is not None:
         command += ["--attnx-device", args.device]
+    if args.allow_unavailable:
+        command += ["--attnx-allow-unavailable"]
     return int(pytest.main([*command, *args.pytest_args]))
 
 
+def _check_bench_arguments(args: argparse.Namespace) -> None:
+    """Every backend usable, with the dtype and device asked for: before any case runs."""
+    from attnx.backend import device_label
+
+    for name in args.backends:
+        backend = _usable_backend(name, args.parser, "--backends")
+        if args.dtype not in backend.float_dtypes:
+            args.parser.error(
+                f"argument --dtype: backend {name!r} has no {args.dtype} (its float dtypes: {', '.join(backend.float_dtypes)})"
+            )
+        if args.device is not None:
+            listed = [device_label(d) for d in backend.devices()]
+            if args.device not in listed:
+                args.parser.error(f"argument --device: backend {name!r} has no device {args.device!r}; its devices: {', '.join(listed)}")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    _check_bench_arguments(args)
     import importlib.util
     from pathlib import Path
 
     from attnx import benchmark
 
+    warning = benchmark.load_warning(args.threads)
+    if warning is not None:
+        print(f"attnx bench: warning: {warning}", file=sys.stderr)
     baselines = [] if args.no_baselines else ["numpy-textbook"]
     for baseline, module in (("torch-sdpa", "torch"), ("jax-sdpa", "jax")):
         if not args.no_baselines and importlib.util.find_spec(module) is not None:
@@ -119,6 +206,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             [
                 {
                     **asdict(r.case),
+                    "measured_dtype": benchmark.measured_dtype(r.case),
                     "median_s": r.median_s,
                     "times_s": r.times_s,
                     "peak_bytes": r.peak_bytes,
@@ -141,47 +229,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if all(r.error is None for r in results) else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="attnx", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("backends", help="list the registered backends").set_defaults(run=cmd_backends)
-    demo = sub.add_parser("demo", help="a small attention example with its weights")
-    demo.add_argument("--backend", default="numpy")
+def build_parser() -> argparse.ArgumentParser:
+    from attnx import __version__
+    from attnx.benchmark import OPERATIONS
+
+    parser = _Parser(prog="attnx", description=__doc__, formatter_class=_Help)
+    parser.add_argument("--version", action="version", version=f"attnx {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of the commands below")
+    summaries: list[tuple[str, str]] = []
+
+    def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        # Listed in the epilog, one line each (argparse wraps long command names).
+        summaries.append((name, help))
+        parser = sub.add_parser(name, description=description or help, formatter_class=_Help)
+        parser.set_defaults(parser=parser)  # for one-line errors found after parsing
+        return parser
+
+    command("backends", "list the registered backends, with why any is unavailable").set_defaults(run=cmd_backends)
+
+    demo = command("demo", "a small attention example on a backend, with its weights")
+    demo.add_argument("--backend", default="numpy", help="the backend to run on")
     demo.set_defaults(run=cmd_demo)
-    conformance = sub.add_parser(
+
+    conformance = command(
         "conformance",
-        help="run the conformance suite on backends (other options go to pytest)",
-        description="Run attnx's conformance suite on the named backends; unknown options (-x, -k EXPR) go to pytest.",
+        "run the conformance suite on backends",
+        "Run attnx's conformance suite on the named backends; options attnx does not know "
+        "(-x, -k EXPR) go to pytest.  A backend that is not registered or can't run here, a device "
+        "it does not list, or a run in which no test ran for a backend, is an error.",
     )
-    conformance.add_argument("names", nargs="+", metavar="BACKEND")
+    conformance.add_argument("names", nargs="+", metavar="BACKEND", help="backends to test, as `attnx backends` lists them")
+    conformance.add_argument("--device", default=None, help="run on this device, as `attnx backends` lists it (cuda:0); default: the backend's default device")
     conformance.add_argument(
-        "--device", help="run on this device, as `attnx backends` lists it (cuda:0); default: the backend's default"
+        "--allow-unavailable",
+        action="store_true",
+        help="skip, with the reason, a backend that can't run here (cupy without a GPU) instead of failing",
     )
     conformance.set_defaults(run=cmd_conformance)
-    bench = sub.add_parser("bench", help="time and peak memory across backends, with a report and plots")
-    bench.add_argument("--backends", nargs="+", default=["numpy"], metavar="NAME")
-    bench.add_argument(
-        "--operations",
-        nargs="+",
-        default=["sdpa", "sdpa_causal"],
-        metavar="OP",
-        help="sdpa, sdpa_causal, multi_head_attention, additive_attention",
-    )
-    bench.add_argument(
-        "--sizes",
-        nargs="+",
-        type=int,
-        default=[128, 256, 512, 1024, 2048],
-        metavar="N",
-        help="sequence lengths (n = m)",
-    )
-    bench.add_argument("--batch", type=int, default=1)
-    bench.add_argument("--heads", type=int, default=8)
-    bench.add_argument("--head-dim", type=int, default=64)
-    bench.add_argument("--dtype", default="float32")
-    bench.add_argument("--repeat", type=int, default=5, help="timed calls per case, after one warm-up")
-    bench.add_argument("--threads", type=int, default=None, help="limit BLAS/PyTorch threads")
-    bench.add_argument("--device", default=None, help="for GPU backends, e.g. cuda:0")
+
+    bench = command("bench", "time and peak memory across backends, with a report and plots")
+    bench.add_argument("--backends", nargs="+", default=["numpy"], metavar="NAME", help="attnx backends to time")
+    bench.add_argument("--operations", nargs="+", default=["sdpa", "sdpa_causal"], choices=OPERATIONS, metavar="OP", help=f"operations to time: {', '.join(OPERATIONS)}")
+    bench.add_argument("--sizes", nargs="+", type=_positive_int, default=[128, 256, 512, 1024, 2048], metavar="N", help="sequence lengths (n = m)")
+    bench.add_argument("--batch", type=_positive_int, default=1, help="batch size B")
+    bench.add_argument("--heads", type=_positive_int, default=8, help="heads H")
+    bench.add_argument("--head-dim", type=_positive_int, default=64, help="width d of each head")
+    bench.add_argument("--dtype", default="float32", choices=BENCH_DTYPES, help="float dtype of the inputs")
+    bench.add_argument("--repeat", type=_positive_int, default=5, help="timed calls per case, after one warm-up")
+    bench.add_argument("--threads", type=_positive_int, default=None, help="limit BLAS/PyTorch threads; default: all cores")
+    bench.add_argument("--device", default=None, help="for GPU backends, as `attnx backends` lists it (cuda:0); default: the backend's default device")
     bench.add_argument(
         "--no-baselines",
         action="store_true",
@@ -189,13 +285,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench.add_argument("--out", default="attnx-bench", help="folder for results.md, results.json and plots")
     bench.set_defaults(run=cmd_bench)
+    width = max(len(name) for name, _ in summaries)
+    parser.epilog = "commands:\n" + "\n".join(f"  {name.ljust(width)}  {text}" for name, text in summaries)
+    parser.epilog += "\n\n'attnx COMMAND --help' shows a command's options and their defaults."
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     # Options attnx does not know (-x, -k EXPR, ...) go on to pytest.
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "conformance":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.pytest_args = [a for a in extra if a != "--"]
     args.argv = list(sys.argv[2:] if argv is None else argv[1:])
-    return args.run(args)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # `attnx backends | head`: the reader left, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -6,10 +6,18 @@ the ``attnx_backend`` fixture.
 
 Selecting backends, in order: ``--attnx-backend NAME`` (repeatable), else
 ``$ATTNX_TEST_BACKEND`` (comma-separated), else every registered backend.
-An unavailable backend's tests are skipped with its reason.  A backend's
-known failures can be listed in a file (``--attnx-xfails PATH``, or
-``$ATTNX_TEST_XFAILS``): they run as xfail, and entries that match no test
-are warned about.
+
+A run never reports green having tested nothing.  A selected backend that is
+not registered, that is unavailable here (unless ``--attnx-allow-unavailable``
+says that is expected: its tests are then skipped with the reason), or a
+``--attnx-device`` it does not list, is a usage error before any test runs;
+and a selected backend for which no test ran fails the session.  Without a
+selection (every registered backend), unavailable backends are skipped with
+their reason.
+
+A backend's known failures can be listed in a file (``--attnx-xfails PATH``,
+or ``$ATTNX_TEST_XFAILS``): they run as xfail, and entries that match no
+test are warned about.
 """
 
 from __future__ import annotations
@@ -23,8 +31,14 @@ from typing import Any
 import pytest
 
 ENV = "ATTNX_TEST_BACKEND"
+ALLOW_UNAVAILABLE_ENV = "ATTNX_TEST_ALLOW_UNAVAILABLE"
 XFAILS_ENV = "ATTNX_TEST_XFAILS"
 DEVICE_ENV = "ATTNX_TEST_DEVICE"
+
+_HYPOTHESIS_HOME = pytest.StashKey[str]()
+#: node id -> backend under test; tests that ran (not skipped), per backend.
+_BACKEND_OF: dict[str, str] = {}
+_RAN_COUNTS: dict[str, int] = defaultdict(int)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -43,6 +57,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help=f"make the inputs on this device, named as `attnx backends` lists it (default ${DEVICE_ENV} or the backend's default)",
     )
     group.addoption(
+        "--attnx-allow-unavailable",
+        action="store_true",
+        default=os.environ.get(ALLOW_UNAVAILABLE_ENV, "") not in ("", "0"),
+        help=f"skip, with the reason, a selected backend that can't run here instead of failing (default ${ALLOW_UNAVAILABLE_ENV})",
+    )
+    group.addoption(
         "--attnx-xfails",
         default=os.environ.get(XFAILS_ENV),
         metavar="PATH",
@@ -52,17 +72,79 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "attnx_operation(name): the attnx operation a test checks")
+    names = explicit_selection(config)
+    if names:
+        # Hypothesis caches what it learns (constants found in the code) in
+        # ./.hypothesis: a conformance run leaves nothing in the user's folder.
+        import tempfile
+
+        from hypothesis.configuration import set_hypothesis_home_dir
+
+        config.stash[_HYPOTHESIS_HOME] = home = tempfile.mkdtemp(prefix="attnx-conformance-")
+        set_hypothesis_home_dir(home)
+        problem = selection_problem(
+            names,
+            config.getoption("--attnx-device", default=None),
+            config.getoption("--attnx-allow-unavailable", default=False),
+        )
+        if problem is not None:
+            raise pytest.UsageError(problem)
 
 
-def selected_backends(config: pytest.Config) -> list[str]:
+def pytest_unconfigure(config: pytest.Config) -> None:
+    home = config.stash.get(_HYPOTHESIS_HOME, None)
+    if home is not None:
+        import shutil
+
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def explicit_selection(config: pytest.Config) -> list[str]:
+    """The backends the user named (option or environment), or ``[]``."""
     names = list(config.getoption("--attnx-backend", default=[]) or [])
     if not names and os.environ.get(ENV):
         names = [n.strip() for n in os.environ[ENV].split(",") if n.strip()]
+    return names
+
+
+def selected_backends(config: pytest.Config) -> list[str]:
+    names = explicit_selection(config)
     if not names:
         import attnx
 
-        names = [info.name for info in attnx.list_backends()]
+        names = [info.name for info in attnx.list_backends() if info.name in attnx._registry.names()]
     return names
+
+
+def selection_problem(
+    names: list[str], device: str | None, allow_unavailable: bool, *, flag: str = "--attnx-allow-unavailable"
+) -> str | None:
+    """Why the suite can't test ``names`` (on ``device``), as one line, or
+    None.  The one check behind ``attnx conformance`` and ``pytest
+    --attnx-backend``."""
+    import attnx
+    from attnx.backend import device_label
+
+    infos = {info.name: info for info in attnx.list_backends()}
+    registered = attnx._registry.names()
+    for name in names:
+        if name not in registered:
+            failed = [f"{info.name!r} ({info.distribution}): {info.reason}" for info in infos.values() if info.name not in registered]
+            text = f"unknown attnx backend {name!r}; registered backends: {', '.join(registered) or 'none'}"
+            if failed:
+                text += "; plugins that failed to load: " + "; ".join(failed)
+            return text
+        info = infos[name]
+        if not info.available and not allow_unavailable:
+            return (
+                f"attnx backend {name!r} is unavailable here: {info.reason} "
+                f"({flag} skips its tests instead)"
+            )
+        if device is not None and info.available:
+            listed = [device_label(d) for d in attnx._registry.get(name).devices()]
+            if device not in listed:
+                return f"attnx backend {name!r} has no device {device!r}; its devices: {', '.join(listed)}"
+    return None
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -81,6 +163,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         else:
             lines.append(f"  {name}: unavailable: {info.reason}")
     return lines
+
+
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -150,6 +234,9 @@ _SKIP_REASONS: dict[str, set[str]] = defaultdict(set)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    backend = _BACKEND_OF.get(report.nodeid)
+    if backend is not None and report.when == "call" and not report.skipped:
+        _RAN_COUNTS[backend] += 1
     operation = _operation_of(report)
     if operation is None:
         return
@@ -185,6 +272,9 @@ def read_xfails(path: str) -> dict[str, str]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "attnx_backend" in callspec.params:
+            _BACKEND_OF[item.nodeid] = callspec.params["attnx_backend"]
         marker = item.get_closest_marker("attnx_operation")
         if marker is not None:
             item.keywords[f"attnx_op:{marker.args[0]}"] = True
@@ -209,7 +299,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
 
 
+def untested_backends(config: pytest.Config) -> list[str]:
+    """Selected backends for which no test ran (allowed unavailable ones aside)."""
+    names = explicit_selection(config)
+    if not names:
+        return []
+    allowed = config.getoption("--attnx-allow-unavailable", default=False)
+    import attnx
+
+    available = {info.name for info in attnx.list_backends() if info.available}
+    return [n for n in names if _RAN_COUNTS[n] == 0 and not (allowed and n not in available)]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if exitstatus == pytest.ExitCode.OK and untested_backends(session.config):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    untested = untested_backends(terminalreporter.config)
+    if untested:
+        terminalreporter.section("attnx conformance: nothing tested", red=True)
+        for name in untested:
+            terminalreporter.write_line(f"no test ran for backend {name!r}: the run fails", red=True)
     if not _OUTCOMES:
         return
     write = terminalreporter.write_line

@@ -16,7 +16,13 @@ pytestmark = pytest.mark.attnx_operation("scaled_dot_product_attention")
 #: Examples per property: 25 keeps the suite quick; ``ATTNX_TEST_EXAMPLES=1000``
 #: makes a longer hunt for rare inputs.
 EXAMPLES = int(os.environ.get("ATTNX_TEST_EXAMPLES", "25"))
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+#: No example database: running the suite leaves nothing in the user's folder.
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 
 @st.composite

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+
+import pytest
+
 BROKEN = '''
 import attnx
 from attnx.attention import sdpa_generic
@@ -81,3 +85,100 @@ def test_known_failures_file_xfails_and_warns_on_unused_entries(pytester):
     assert result.parseoutcomes().get("xpassed") == 1
     result.stdout.fnmatch_lines(["*XPASS*test_scale_argument*says it fails*"])
     result.stdout.fnmatch_lines(["*entry matches no test: 'test_no_such_thing'*"])
+
+
+UNAVAILABLE = '''
+import attnx
+from attnx_backends.numpy_backend import NumPyBackend
+
+
+class NoDevice(NumPyBackend):
+    name = "nodevice"
+
+    def unavailable_reason(self):
+        return "needs a frobnicator, none found"
+
+
+class Plugin:
+    @attnx.hookimpl
+    def attnx_backends(self):
+        return [NoDevice()]
+
+
+attnx.register_plugin(Plugin(), name="nodevice-plugin")
+'''
+
+
+def _suite(pytester, *args):
+    return pytester.runpytest_subprocess("--pyargs", "attnx_conformance", "-p", "no:cacheprovider", *args)
+
+
+def test_an_unknown_backend_is_an_error_naming_the_registered_ones(pytester):
+    result = pytester.run("attnx", "conformance", "nmpy")
+    assert result.ret == 2
+    assert len(result.errlines) == 1 and "unknown attnx backend 'nmpy'" in result.errlines[0]
+    assert "numpy" in result.errlines[0]
+    plain = _suite(pytester, "--attnx-backend", "nmpy")
+    assert plain.ret == pytest.ExitCode.USAGE_ERROR
+    plain.stderr.fnmatch_lines(["*unknown attnx backend 'nmpy'*registered backends:*numpy*"])
+
+
+def test_a_plugin_that_failed_to_load_is_named_with_its_error(pytester, monkeypatch):
+    from attnx_conformance.plugin import selection_problem
+
+    import attnx
+
+    class Broken:
+        @attnx.hookimpl
+        def attnx_backends(self):
+            raise ImportError("libfrob.so: cannot open shared object file")
+
+    monkeypatch.delenv("ATTNX_STRICT_PLUGINS", raising=False)
+    with pytest.warns(attnx.PluginWarning):
+        attnx.register_plugin(Broken(), name="frob")
+    try:
+        problem = selection_problem(["frob"], None, False)
+    finally:
+        attnx.unregister_plugin("frob")
+    assert "unknown attnx backend 'frob'" in problem and "'frob'" in problem and "libfrob.so" in problem
+
+
+def test_an_unavailable_backend_fails_unless_allowed(pytester):
+    pytester.makepyfile(nodevice_plugin=UNAVAILABLE)
+    refused = _suite(pytester, "-p", "nodevice_plugin", "--attnx-backend", "nodevice")
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    refused.stderr.fnmatch_lines(["*'nodevice' is unavailable here: needs a frobnicator*"])
+    allowed = _suite(pytester, "-p", "nodevice_plugin", "--attnx-backend", "nodevice", "--attnx-allow-unavailable")
+    assert allowed.ret == 0
+    assert allowed.parseoutcomes().get("skipped", 0) > 100 and "passed" not in allowed.parseoutcomes()
+    allowed.stdout.fnmatch_lines(["*skipped: attnx backend 'nodevice' is unavailable: needs a frobnicator*"])
+
+
+def test_a_backend_with_no_test_run_fails_the_session(pytester):
+    result = _suite(pytester, "--attnx-backend", "numpy", "-k", "no_test_has_this_name")
+    assert result.ret in (pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED)
+    result.stdout.fnmatch_lines(["*no test ran for backend 'numpy'*"])
+    all_skipped = _suite(
+        pytester, "--attnx-backend", "numpy", "-k", "test_explicit_backend_that_does_not_own_the_inputs"
+    )
+    assert all_skipped.parseoutcomes()["skipped"] == 1 and "passed" not in all_skipped.parseoutcomes()
+    assert all_skipped.ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_a_device_the_backend_does_not_list_is_one_error_before_any_test(pytester):
+    result = pytester.run("attnx", "conformance", "numpy", "--device", "cuda:0")
+    assert result.ret == 2
+    assert result.errlines == [
+        "attnx conformance: error: attnx backend 'numpy' has no device 'cuda:0'; its devices: cpu "
+        "(see 'attnx conformance --help')"
+    ]
+    plain = _suite(pytester, "--attnx-backend", "numpy", "--attnx-device", "cuda:0")
+    assert plain.ret == pytest.ExitCode.USAGE_ERROR and "failed" not in plain.stdout.str()
+
+
+def test_the_suite_leaves_nothing_in_the_users_folder(tmp_path):
+    command = ["attnx", "conformance", "numpy", "-k", "test_properties or test_scale_argument"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "passed" in result.stdout
+    assert list(tmp_path.iterdir()) == []
