@@ -7,6 +7,8 @@ naming the operation, the argument, what was expected and what came.
 
 from __future__ import annotations
 
+import math
+import numbers
 from functools import lru_cache
 from typing import Any
 
@@ -21,8 +23,33 @@ def shape_of(array: Any) -> tuple[int, ...]:
 
 
 def dtype_label(dtype: Any) -> str:
-    """``"float32"`` for every library's float32 (not ``torch.float32``)."""
+    """``"float32"`` for every library's float32: ``torch.float32``,
+    ``numpy.float32`` (the scalar type), ``np.dtype("float32")``,
+    ``array_api_strict.float32`` or the name itself."""
+    if isinstance(dtype, str):
+        return dtype
+    if isinstance(dtype, type):  # NumPy's scalar types: numpy.float32
+        return dtype.__name__
+    name = getattr(dtype, "name", None)  # NumPy dtypes
+    if isinstance(name, str):
+        return name
     return str(dtype).rpartition(".")[2]
+
+
+#: The dtypes attnx knows by name: the standard's, and the half precisions.
+DTYPE_NAMES = frozenset(
+    ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+    + ("float16", "bfloat16", "float32", "float64", "complex64", "complex128")
+)
+
+
+def require_dtype_name(operation: str, xp: Any, backend_name: str, dtype: Any) -> str:
+    """The name of ``dtype`` (any library's dtype object, or a name), checked
+    to be a dtype of ``xp``; a TypeError naming ``dtype`` otherwise."""
+    name = dtype_label(dtype)
+    if name not in DTYPE_NAMES or not hasattr(xp, name):
+        raise TypeError(f"{operation}: dtype {dtype!r} is not a dtype of the {backend_name!r} backend")
+    return name
 
 
 def dtype_name(array: Any) -> str:
@@ -124,6 +151,49 @@ def require_query_key_value(
         )
 
 
+def require_flag(operation: str, name: str, value: Any) -> bool:
+    """``value`` if it is a bool; a TypeError naming the flag otherwise
+    (``"no"`` is truthy: accepting it would silently do the opposite)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{operation}: {name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def require_scale(operation: str, scale: Any, d_k: int) -> float:
+    """The scale as a finite Python float (``1 / sqrt(d_k)`` when None).
+
+    A Python float keeps NumPy 2 from promoting float32 inputs (NEP 50); a
+    0-d array of the inputs' backend is read as its value.
+    """
+    if scale is None:
+        return 1.0 / math.sqrt(d_k) if d_k else 1.0
+    if isinstance(scale, bool) or not (isinstance(scale, numbers.Real) or getattr(scale, "ndim", None) == 0):
+        raise TypeError(f"{operation}: scale must be a real number or None, got {scale!r} ({type(scale).__name__})")
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"{operation}: scale must be a real number or None, got {type(scale).__name__}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{operation}: scale must be finite, got {value}")
+    return value
+
+
+#: Sizes beyond this cannot index an array (NumPy's and PyTorch's int64 limit).
+MAX_SIZE = 2**63 - 1
+
+
+def require_size(operation: str, names: str, *sizes: int) -> None:
+    """A ValueError naming ``names`` when the array they describe would have
+    more elements than any array can (their product over int64)."""
+    total = 1
+    for size in sizes:
+        total *= size
+    if total > MAX_SIZE:
+        raise ValueError(
+            f"{operation}: {names} = {' x '.join(map(str, sizes))} would need more than 2**63 - 1 elements"
+        )
+
+
 def require_positive_int(operation: str, name: str, value: Any, *, allow_zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
         raise TypeError(f"{operation}: {name} must be an integer, got {type(value).__name__}")
@@ -131,6 +201,7 @@ def require_positive_int(operation: str, name: str, value: Any, *, allow_zero: b
     if value < 0 or (value == 0 and not allow_zero):
         expected = "a non-negative" if allow_zero else "a positive"
         raise ValueError(f"{operation}: {name} must be {expected} integer, got {value}")
+    require_size(operation, name, value)
     return value
 
 

@@ -49,6 +49,13 @@ class _Entry:
                     self._reason = self.backend.unavailable_reason()
                 except Exception as exc:  # a broken check must not break attnx
                     self._reason = f"availability check failed: {exc!r}"
+            if self._reason is None:
+                # Available by its own word: its namespace must import too, or
+                # the first call would end in a bare traceback.
+                try:
+                    _ = self.backend.xp
+                except Exception as exc:
+                    self._reason = f"its array namespace failed to import: {exc!r}"
         return self._reason
 
 
@@ -61,6 +68,8 @@ class Registry:
         self.plugin_manager.add_hookspecs(hookspecs)
         self._entries: dict[str, _Entry] = {}
         self._failures: list[_Entry] = []
+        #: Backends that lost a name conflict: (name, the ignored entry).
+        self._ignored: list[tuple[str, _Entry]] = []
         self._type_owners: dict[type, Backend] = {}
         self._shared_types: set[type] = set()
         #: Array types whose owner has several devices: only their inputs are
@@ -128,13 +137,21 @@ class Registry:
         if previous is None:
             self._entries[name] = entry
             return
-        # Two plugins claim one name: neither wins silently.
+        # Two plugins claim one name: the first claim wins, and both are told.
+        if previous.distribution == "attnx":
+            why = "attnx's own backends are loaded first"
+        elif previous.distribution is not None and entry.distribution is not None:
+            why = "plugins are loaded in order of their distribution's name and the first claim wins"
+        else:
+            why = "it was registered first"
         message = (
-            f"backend name {name!r} is claimed by more than one plugin "
-            f"({previous.plugin!r} from {previous.distribution}, {entry.plugin!r} "
-            f"from {entry.distribution}); uninstall one of them"
+            f"backend name {name!r} is claimed twice: plugin {previous.plugin!r} from "
+            f"{previous.distribution or 'no distribution'} is used and plugin {entry.plugin!r} from "
+            f"{entry.distribution or 'no distribution'} is ignored, because {why}; uninstall one of "
+            f"them or rename a backend to use both"
         )
-        self._entries[name] = _Entry(previous.backend, previous.plugin, previous.distribution, error=message)
+        ignored = _Entry(entry.backend, entry.plugin, entry.distribution, error=f"ignored: {message}")
+        self._ignored.append((name, ignored))
         self._fail(entry.plugin, entry.distribution, message, listed=False)
 
     # -- public operations ------------------------------------------------------
@@ -153,6 +170,7 @@ class Registry:
             self.plugin_manager.unregister(name=name)
             self._entries = {k: e for k, e in self._entries.items() if e.plugin != name}
             self._failures = [e for e in self._failures if e.plugin != name]
+            self._ignored = [(n, e) for n, e in self._ignored if e.plugin != name]
             self._type_owners.clear()
             self._shared_types.clear()
             self._multi_device_types.clear()
@@ -212,6 +230,8 @@ class Registry:
         for entry in self._failures:
             if entry.plugin not in self._entries:
                 rows.append(BackendInfo(entry.plugin, False, entry.error, None, (), entry.distribution))
+        for name, entry in self._ignored:
+            rows.append(BackendInfo(name, False, entry.error, None, (), entry.distribution))
         return rows
 
 

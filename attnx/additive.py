@@ -58,6 +58,7 @@ def additive_attention(
         _ADD, backend, names, (query, key, value, mask, key_lengths, getter("w_q"), getter("w_k"), getter("w_v"))
     )
     xp = chosen.xp
+    _checks.require_flag(_ADD, "return_weights", return_weights)
     check_additive(xp, query, key, value, params, mask, key_lengths)
     return _dispatch.call(
         _ADD,
@@ -167,6 +168,7 @@ def bahdanau_context(
     context : array, shape (..., d_h)
     weights : array, shape (..., T), only with ``return_weights=True``
     """
+    _checks.require_flag("bahdanau_context", "return_weights", return_weights)
     if getattr(decoder_state, "ndim", 1) < 1:
         raise ValueError(
             f"bahdanau_context: decoder_state must have shape (..., d_s), got {_checks.shape_of(decoder_state)}"

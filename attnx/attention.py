@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -87,6 +86,9 @@ def scaled_dot_product_attention(
     """
     chosen, reason = _dispatch.resolve(_SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths))
     xp = chosen.xp
+    if is_causal is not False or return_weights is not False:  # the common call skips the checks
+        _checks.require_flag(_SDPA, "is_causal", is_causal)
+        _checks.require_flag(_SDPA, "return_weights", return_weights)
     scale, batch_shape, n, m = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
     chunks = choose_chunks(
         xp, query.dtype, n, m, batch_shape, chunk_size, return_weights, is_causal, chosen.concurrent_blocks
@@ -102,7 +104,7 @@ def scaled_dot_product_attention(
             "value": value,
             "mask": mask,
             "key_lengths": key_lengths,
-            "is_causal": bool(is_causal),
+            "is_causal": is_causal,
             "scale": scale,
             "return_weights": return_weights,
             "chunks": chunks,
@@ -214,13 +216,7 @@ def check_attention_inputs(
         batch_shape = _checks.broadcast(operation, {"query": batch_shape, "key": k_shape[:-2], "value": v_shape[:-2]})
     if mask is not None or key_lengths is not None:
         _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, n, m)
-    if scale is None:
-        return (1.0 / math.sqrt(d_k) if d_k else 1.0), batch_shape, n, m
-    # A Python float keeps NumPy 2 from promoting float32 inputs (NEP 50).
-    try:
-        return float(scale), batch_shape, n, m
-    except TypeError:
-        raise TypeError(f"{operation}: scale must be a real number, got {type(scale).__name__}") from None
+    return _checks.require_scale(operation, scale, d_k), batch_shape, n, m
 
 
 def sdpa_generic(

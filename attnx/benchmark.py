@@ -538,8 +538,14 @@ def plot(results: Sequence[Result], folder: Path) -> list[Path]:
                 ax.loglog(sizes, values, "o-", label=label)
             # One labelled tick per measured size, horizontal and apart: the
             # default log ticks put minor labels on top of each other.
-            sizes_measured = sorted({size for (op, _), points in series.items() if op == operation for size, _ in points})
-            ax.set_xticks(sizes_measured, labels=[str(size) for size in sizes_measured], rotation=45 if len(sizes_measured) > 6 else 0)
+            sizes_measured = sorted(
+                {size for (op, _), points in series.items() if op == operation for size, _ in points}
+            )
+            ax.set_xticks(
+                sizes_measured,
+                labels=[str(size) for size in sizes_measured],
+                rotation=45 if len(sizes_measured) > 6 else 0,
+            )
             ax.minorticks_off()
             ax.set_xlabel("sequence length n")
             ax.set_ylabel(ylabel)

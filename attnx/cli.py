@@ -165,7 +165,9 @@ def _check_bench_arguments(args: argparse.Namespace) -> None:
         if args.device is not None:
             listed = [device_label(d) for d in backend.devices()]
             if args.device not in listed:
-                args.parser.error(f"argument --device: backend {name!r} has no device {args.device!r}; its devices: {', '.join(listed)}")
+                args.parser.error(
+                    f"argument --device: backend {name!r} has no device {args.device!r}; its devices: {', '.join(listed)}"
+                )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -258,8 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(-x, -k EXPR) go to pytest.  A backend that is not registered or can't run here, a device "
         "it does not list, or a run in which no test ran for a backend, is an error.",
     )
-    conformance.add_argument("names", nargs="+", metavar="BACKEND", help="backends to test, as `attnx backends` lists them")
-    conformance.add_argument("--device", default=None, help="run on this device, as `attnx backends` lists it (cuda:0); default: the backend's default device")
+    conformance.add_argument(
+        "names", nargs="+", metavar="BACKEND", help="backends to test, as `attnx backends` lists them"
+    )
+    conformance.add_argument(
+        "--device",
+        default=None,
+        help="run on this device, as `attnx backends` lists it (cuda:0); default: the backend's default device",
+    )
     conformance.add_argument(
         "--allow-unavailable",
         action="store_true",
@@ -269,15 +277,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = command("bench", "time and peak memory across backends, with a report and plots")
     bench.add_argument("--backends", nargs="+", default=["numpy"], metavar="NAME", help="attnx backends to time")
-    bench.add_argument("--operations", nargs="+", default=["sdpa", "sdpa_causal"], choices=OPERATIONS, metavar="OP", help=f"operations to time: {', '.join(OPERATIONS)}")
-    bench.add_argument("--sizes", nargs="+", type=_positive_int, default=[128, 256, 512, 1024, 2048], metavar="N", help="sequence lengths (n = m)")
+    bench.add_argument(
+        "--operations",
+        nargs="+",
+        default=["sdpa", "sdpa_causal"],
+        choices=OPERATIONS,
+        metavar="OP",
+        help=f"operations to time: {', '.join(OPERATIONS)}",
+    )
+    bench.add_argument(
+        "--sizes",
+        nargs="+",
+        type=_positive_int,
+        default=[128, 256, 512, 1024, 2048],
+        metavar="N",
+        help="sequence lengths (n = m)",
+    )
     bench.add_argument("--batch", type=_positive_int, default=1, help="batch size B")
     bench.add_argument("--heads", type=_positive_int, default=8, help="heads H")
     bench.add_argument("--head-dim", type=_positive_int, default=64, help="width d of each head")
     bench.add_argument("--dtype", default="float32", choices=BENCH_DTYPES, help="float dtype of the inputs")
     bench.add_argument("--repeat", type=_positive_int, default=5, help="timed calls per case, after one warm-up")
-    bench.add_argument("--threads", type=_positive_int, default=None, help="limit BLAS/PyTorch threads; default: all cores")
-    bench.add_argument("--device", default=None, help="for GPU backends, as `attnx backends` lists it (cuda:0); default: the backend's default device")
+    bench.add_argument(
+        "--threads", type=_positive_int, default=None, help="limit BLAS/PyTorch threads; default: all cores"
+    )
+    bench.add_argument(
+        "--device",
+        default=None,
+        help="for GPU backends, as `attnx backends` lists it (cuda:0); default: the backend's default device",
+    )
     bench.add_argument(
         "--no-baselines",
         action="store_true",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnx import _dispatch
+from attnx import _checks, _dispatch
 from attnx._registry import BackendInfo, registry
 
 __all__ = ["asarray", "list_backends", "to_numpy"]
@@ -13,7 +13,9 @@ __all__ = ["asarray", "list_backends", "to_numpy"]
 def asarray(obj: Any, *, backend: str | None = None, dtype: Any = None, device: Any = None) -> Any:
     """Convert ``obj`` to an array of ``backend`` (default: the current one).
 
-    Arrays of another backend go through NumPy on the host.
+    Arrays of another backend go through NumPy on the host.  ``dtype`` is a
+    name (``"float32"``) or any library's dtype object (``torch.float32``
+    works for NumPy), read by its name.
 
     Examples
     --------
@@ -22,6 +24,8 @@ def asarray(obj: Any, *, backend: str | None = None, dtype: Any = None, device: 
     array([1., 2.], dtype=float32)
     """
     target, _, device = _dispatch.resolve_creation("asarray", backend, device)
+    if dtype is not None:
+        dtype = _checks.require_dtype_name("asarray", target.xp, target.name, dtype)
     owner = registry.owner_of(obj) if not isinstance(obj, (list, tuple, int, float, bool)) else None
     if owner is not None and owner is not target:
         obj = owner.to_numpy(obj)

@@ -75,6 +75,7 @@ def nadaraya_watson(
     names = ("queries", "keys", "values", "bandwidth")
     chosen, reason = _dispatch.resolve(_NW, backend, names, (queries, keys, values, bandwidth))
     xp = chosen.xp
+    _checks.require_flag(_NW, "return_weights", return_weights)
     for name, array in (("queries", queries), ("keys", keys), ("values", values)):
         _checks.require_float(_NW, xp, name, array)
     if keys.ndim not in (1, 2):

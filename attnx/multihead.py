@@ -87,6 +87,12 @@ def multi_head_attention(
     names = ("query", "key", "value", "mask", "key_lengths", *(f"params[{p!r}]" for p in _WEIGHTS + _BIASES))
     chosen, reason = _dispatch.resolve(_MHA, backend, names, arrays)
     xp = chosen.xp
+    for flag, value_ in (
+        ("is_causal", is_causal),
+        ("return_weights", return_weights),
+        ("average_weights", average_weights),
+    ):
+        _checks.require_flag(_MHA, flag, value_)
     layout = check_multi_head(xp, query, key, value, params, num_heads, num_kv_heads)
     batch_shape = _checks.leading_shape(query, key, value, _MHA)
     n, m = query.shape[-2], key.shape[-2]
@@ -107,7 +113,7 @@ def multi_head_attention(
             "mask": mask,
             "mask_per_head": per_head,
             "key_lengths": key_lengths,
-            "is_causal": bool(is_causal),
+            "is_causal": is_causal,
             "return_weights": return_weights,
             "average_weights": average_weights,
             "chunk_size": chunk_size,
@@ -132,17 +138,15 @@ def check_multi_head(
             f"{_MHA}: params['w_q'] must have h*d_k columns with h = {h}, got shape {_checks.shape_of(w_q)}"
         )
     d_k = w_q.shape[1] // h
-    _params.matrix(
-        _MHA,
-        xp,
-        params,
-        "w_k",
-        rows=key.shape[-1],
-        rows_name="d_key",
-        cols=h_kv * d_k,
-        cols_name=f"h_kv*d_k = {h_kv}*{d_k}",
-        dtype=query.dtype,
-    )
+    w_k = _params.matrix(_MHA, xp, params, "w_k", rows=key.shape[-1], rows_name="d_key", dtype=query.dtype)
+    if w_k.shape[1] != h_kv * d_k:
+        # Either may be the wrong one: name both, with what each implies.
+        implied = f"d_k = {w_k.shape[1] / h_kv:g}" if w_k.shape[1] % h_kv else f"d_k = {w_k.shape[1] // h_kv}"
+        raise ValueError(
+            f"{_MHA}: params['w_q'] and params['w_k'] disagree on d_k: params['w_q'] has shape "
+            f"{_checks.shape_of(w_q)}, h*d_k with h = {h} gives d_k = {d_k}, but params['w_k'] has shape "
+            f"{_checks.shape_of(w_k)}, h_kv*d_k with h_kv = {h_kv} gives {implied}"
+        )
     w_v = _params.matrix(_MHA, xp, params, "w_v", rows=value.shape[-1], rows_name="d_value", dtype=query.dtype)
     if w_v.shape[1] % h_kv:
         raise ValueError(
@@ -273,6 +277,7 @@ def init_multi_head_params(
         ``w_q, w_k, w_v, w_o`` and, with ``bias=True``, ``b_q, b_k, b_v, b_o``.
     """
     op = "init_multi_head_params"
+    _checks.require_flag(op, "bias", bias)
     d_model = _checks.require_positive_int(op, "d_model", d_model)
     h = _checks.require_positive_int(op, "num_heads", num_heads)
     h_kv = h if num_kv_heads is None else _checks.require_positive_int(op, "num_kv_heads", num_kv_heads)

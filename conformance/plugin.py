@@ -129,17 +129,18 @@ def selection_problem(
     registered = attnx._registry.names()
     for name in names:
         if name not in registered:
-            failed = [f"{info.name!r} ({info.distribution}): {info.reason}" for info in infos.values() if info.name not in registered]
+            failed = [
+                f"{info.name!r} ({info.distribution}): {info.reason}"
+                for info in infos.values()
+                if info.name not in registered
+            ]
             text = f"unknown attnx backend {name!r}; registered backends: {', '.join(registered) or 'none'}"
             if failed:
                 text += "; plugins that failed to load: " + "; ".join(failed)
             return text
         info = infos[name]
         if not info.available and not allow_unavailable:
-            return (
-                f"attnx backend {name!r} is unavailable here: {info.reason} "
-                f"({flag} skips its tests instead)"
-            )
+            return f"attnx backend {name!r} is unavailable here: {info.reason} ({flag} skips its tests instead)"
         if device is not None and info.available:
             listed = [device_label(d) for d in attnx._registry.get(name).devices()]
             if device not in listed:
@@ -163,8 +164,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         else:
             lines.append(f"  {name}: unavailable: {info.reason}")
     return lines
-
-
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

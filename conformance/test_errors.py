@@ -78,3 +78,72 @@ def test_inputs_on_two_devices(attnx_backend):
     on_second = attnx.asarray(data, backend=be.name, dtype="float32", device=second)
     with pytest.raises(ValueError, match=r"two devices: query on .* but key on"):
         attnx.scaled_dot_product_attention(on_first, on_second, on_first)
+
+
+# (keyword arguments, exception, words the message must contain)
+BAD_ARGUMENTS = [
+    ({"scale": "auto"}, TypeError, ["scale", "'auto'"]),
+    ({"scale": float("nan")}, ValueError, ["scale", "finite"]),
+    ({"scale": True}, TypeError, ["scale"]),
+    ({"is_causal": "yes"}, TypeError, ["is_causal", "'yes'"]),
+    ({"is_causal": 1}, TypeError, ["is_causal"]),
+    ({"return_weights": "no"}, TypeError, ["return_weights", "'no'"]),
+    ({"chunk_size": 0}, ValueError, ["chunk_size"]),
+    ({"chunk_size": (4, 2, 1)}, ValueError, ["chunk_size"]),
+]
+
+
+@pytest.mark.parametrize("kwargs, exception, words", BAD_ARGUMENTS, ids=lambda c: str(c))
+def test_bad_arguments_are_named(attnx_backend, kwargs, exception, words):
+    arrays = {name: _build(attnx_backend, spec) for name, spec in GOOD.items()}
+    with pytest.raises(exception) as info:
+        attnx.scaled_dot_product_attention(**arrays, **kwargs)
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
+
+
+@pytest.mark.attnx_operation("multi_head_attention")
+@pytest.mark.parametrize("flag", ["is_causal", "return_weights", "average_weights"])
+def test_multi_head_flags_must_be_bools(attnx_backend, flag):
+    be = attnx_backend
+    params = {k: be.array(v, "float32") for k, v in attnx.init_multi_head_params(8, 2, backend="numpy").items()}
+    x = be.array(np.ones((2, 3, 8)), "float32")
+    with pytest.raises(TypeError, match=f"multi_head_attention: {flag} must be True or False, got 'no'"):
+        attnx.multi_head_attention(x, x, x, params, num_heads=2, **{flag: "no"})
+
+
+@pytest.mark.attnx_operation("multi_head_attention")
+def test_a_wrong_w_q_width_is_reported_naming_w_q(attnx_backend):
+    be = attnx_backend
+    params = {k: be.array(v, "float32") for k, v in attnx.init_multi_head_params(8, 2, backend="numpy").items()}
+    params["w_q"] = be.array(np.ones((8, 12)), "float32")  # h*d_k = 12: d_k = 6, where w_k says 4
+    x = be.array(np.ones((2, 3, 8)), "float32")
+    with pytest.raises(ValueError) as info:
+        attnx.multi_head_attention(x, x, x, params, num_heads=2)
+    message = str(info.value)
+    assert "params['w_q']" in message and "(8, 12)" in message and "d_k = 6" in message and "d_k = 4" in message
+
+
+def _dtype_objects():
+    objects = [("numpy dtype", np.dtype("float64")), ("numpy scalar type", np.float64), ("name", "float64")]
+    try:
+        import torch
+    except ImportError:
+        return objects
+    return [*objects, ("torch dtype", torch.float64)]
+
+
+@pytest.mark.attnx_operation("asarray")
+@pytest.mark.parametrize("label, dtype", _dtype_objects(), ids=[label for label, _ in _dtype_objects()])
+def test_asarray_reads_any_library_s_dtype_by_its_name(attnx_backend, label, dtype):
+    be = attnx_backend
+    converted = attnx.asarray(np.arange(3), backend=be.name, dtype=dtype, device=be.device)
+    assert be.backend.owns(converted) and be.dtype_name(converted) == "float64"
+    np.testing.assert_array_equal(be.numpy(converted), [0.0, 1.0, 2.0])
+
+
+@pytest.mark.attnx_operation("asarray")
+@pytest.mark.parametrize("dtype", ["floaty", 5, "bfloat17"])
+def test_asarray_refuses_what_is_not_a_dtype(attnx_backend, dtype):
+    with pytest.raises(TypeError, match=r"asarray: dtype .* is not a dtype of the"):
+        attnx.asarray(np.arange(3), backend=attnx_backend.name, dtype=dtype)

@@ -87,7 +87,7 @@ def test_known_failures_file_xfails_and_warns_on_unused_entries(pytester):
     result.stdout.fnmatch_lines(["*entry matches no test: 'test_no_such_thing'*"])
 
 
-UNAVAILABLE = '''
+UNAVAILABLE = """
 import attnx
 from attnx_backends.numpy_backend import NumPyBackend
 
@@ -106,7 +106,7 @@ class Plugin:
 
 
 attnx.register_plugin(Plugin(), name="nodevice-plugin")
-'''
+"""
 
 
 def _suite(pytester, *args):
@@ -124,9 +124,8 @@ def test_an_unknown_backend_is_an_error_naming_the_registered_ones(pytester):
 
 
 def test_a_plugin_that_failed_to_load_is_named_with_its_error(pytester, monkeypatch):
-    from attnx_conformance.plugin import selection_problem
-
     import attnx
+    from attnx_conformance.plugin import selection_problem
 
     class Broken:
         @attnx.hookimpl

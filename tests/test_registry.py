@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 import attnx
-from attnx._registry import Registry
+from attnx._registry import Registry, _Entry
 
 
 def test_builtin_backends_are_listed_with_reasons():
@@ -71,15 +71,46 @@ def _plugin(backend):
     return Plugin()
 
 
-def test_two_backends_with_one_name_are_a_reported_conflict(monkeypatch, loopback_class):
+def test_two_backends_with_one_name_the_first_wins_and_the_message_says_why(monkeypatch, loopback_class):
     monkeypatch.delenv("ATTNX_STRICT_PLUGINS", raising=False)
     LoopbackBackend = loopback_class
     registry = Registry(group="attnx.no-such-group")
-    registry.register_plugin(_plugin(LoopbackBackend()), name="first")
-    with pytest.warns(attnx.PluginWarning, match="claimed by more than one plugin"):
-        registry.register_plugin(_plugin(LoopbackBackend()), name="second")
-    with pytest.raises(attnx.BackendUnavailableError, match="'first'.*'second'"):
-        registry.get("loopback")
+    first, second = LoopbackBackend(), LoopbackBackend()
+    registry.register_plugin(_plugin(first), name="first")
+    with pytest.warns(attnx.PluginWarning) as warned:
+        registry.register_plugin(_plugin(second), name="second")
+    (message,) = [str(w.message) for w in warned]
+    assert "plugin 'first' from no distribution is used" in message
+    assert "plugin 'second' from no distribution is ignored, because it was registered first" in message
+    assert registry.get("loopback") is first
+    rows = [info for info in registry.info() if info.name == "loopback"]
+    assert [row.available for row in rows] == [True, False] and "ignored" in rows[1].reason
+
+
+def test_attnx_s_own_backend_wins_a_conflict_and_says_so(monkeypatch, loopback_class):
+    monkeypatch.delenv("ATTNX_STRICT_PLUGINS", raising=False)
+    registry = Registry(group="attnx.no-such-group")
+    registry._ensure_loaded()
+    ours, theirs = loopback_class(), loopback_class()
+    registry._add_backend(_Entry(ours, "numpy", "attnx"))
+    with pytest.warns(attnx.PluginWarning, match="from attnx is used.*from otherdist is ignored, because attnx's own"):
+        registry._add_backend(_Entry(theirs, "their-numpy", "otherdist"))
+    assert registry.get("loopback") is ours
+
+
+def test_a_backend_whose_namespace_fails_to_import_is_listed_unavailable_with_the_error(loopback_class):
+    class Hollow(loopback_class):
+        name = "hollow"
+
+        def namespace(self):
+            raise ImportError("libhollow.so: cannot open shared object file")
+
+    registry = Registry(group="attnx.no-such-group")
+    registry.register_plugin(_plugin(Hollow()), name="hollow-plugin")
+    (row,) = [info for info in registry.info() if info.name == "hollow"]
+    assert not row.available and "libhollow.so" in row.reason
+    with pytest.raises(attnx.BackendUnavailableError, match="hollow.*libhollow.so"):
+        registry.get("hollow")
 
 
 def test_unknown_backend_names_the_known_ones():
