@@ -224,6 +224,22 @@ def combine(
     return allowed, additive
 
 
+def allow_extra_keys(xp: Any, mask: Any, count: int) -> Any:
+    """``mask`` (boolean or additive, broadcastable to ``(..., n, m)``) with
+    ``count`` always-attended keys appended: ``(..., n, m + count)``.  The
+    extra keys (multi-head attention's ``bias_k`` and zero attention) are
+    beyond every mask, as in ``torch.nn.MultiheadAttention``."""
+    if mask is None or count == 0:
+        return mask
+    shape = (*mask.shape[:-1], count)
+    device = device_of(mask)
+    if mask.dtype == xp.bool:
+        extra = xp.ones(shape, dtype=xp.bool, device=device)
+    else:
+        extra = xp.zeros(shape, dtype=mask.dtype, device=device)
+    return xp.concat([mask, extra], axis=-1)
+
+
 def as_additive(xp: Any, allowed: Any, additive: Any, dtype: Any) -> Any:
     """One real mask equivalent to ``(allowed, additive)`` (for native kernels)."""
     if allowed is None:

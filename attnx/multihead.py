@@ -13,6 +13,8 @@ __all__ = ["MultiHeadAttention", "init_multi_head_params", "multi_head_attention
 _MHA = "multi_head_attention"
 _WEIGHTS = ("w_q", "w_k", "w_v", "w_o")
 _BIASES = ("b_q", "b_k", "b_v", "b_o")
+#: One learned key/value position appended after the projections (PyTorch's add_bias_kv).
+_EXTRA_KV = ("bias_k", "bias_v")
 
 
 def multi_head_attention(
@@ -28,6 +30,7 @@ def multi_head_attention(
     is_causal: bool = False,
     return_weights: bool = False,
     average_weights: bool = True,
+    add_zero_attn: bool = False,
     chunk_size: int | tuple[int, int] | None = None,
     backend: str | None = None,
 ) -> Any:
@@ -51,6 +54,8 @@ def multi_head_attention(
         ``w_o`` there is no output projection and the concatenated heads
         ``(..., n, h*d_v)`` are returned: with ``num_heads=1`` that is the
         single-head self-attention with query/key/value projections.
+        ``bias_k (h_kv*d_k,)`` with ``bias_v (h_kv*d_v,)``: one more key and
+        value, appended after the projections (PyTorch's ``add_bias_kv``).
     num_heads : int
         ``h``, the number of query heads; ``d_k`` and ``d_v`` are read off the
         weights' widths.
@@ -69,6 +74,12 @@ def multi_head_attention(
     average_weights : bool
         Weights averaged over heads ``(..., n, m)``, or per head
         ``(..., h, n, m)`` when False.
+    add_zero_attn : bool
+        Append a key and a value of zeros to every head, after ``bias_k``
+        (PyTorch's ``add_zero_attn``).  Keys appended by ``bias_k`` and
+        ``add_zero_attn`` are attended by every query: masks, ``key_lengths``
+        and ``is_causal`` apply to the ``m`` given keys, and the weights have
+        ``m + 1`` or ``m + 2`` columns.
     chunk_size :
         As in :func:`attnx.scaled_dot_product_attention` (memory-efficient
         attention; chosen automatically over the memory budget).
@@ -79,20 +90,22 @@ def multi_head_attention(
     weights : array, shape (..., n, m) or (..., h, n, m)
         Only with ``return_weights=True``.
     """
+    entries = _WEIGHTS + _BIASES + _EXTRA_KV
     arrays = (
-        (query, key, value, mask, key_lengths, *(params.get(p) for p in _WEIGHTS + _BIASES))
+        (query, key, value, mask, key_lengths, *(params.get(p) for p in entries))
         if isinstance(params, Mapping)
         else (query,)
     )
-    names = ("query", "key", "value", "mask", "key_lengths", *(f"params[{p!r}]" for p in _WEIGHTS + _BIASES))
+    names = ("query", "key", "value", "mask", "key_lengths", *(f"params[{p!r}]" for p in entries))
     chosen, reason = _dispatch.resolve(_MHA, backend, names, arrays)
     xp = chosen.xp
-    for flag, value_ in (
+    for flag, setting in (
         ("is_causal", is_causal),
         ("return_weights", return_weights),
         ("average_weights", average_weights),
+        ("add_zero_attn", add_zero_attn),
     ):
-        _checks.require_flag(_MHA, flag, value_)
+        _checks.require_flag(_MHA, flag, setting)
     layout = check_multi_head(xp, query, key, value, params, num_heads, num_kv_heads)
     batch_shape = _checks.leading_shape(query, key, value, _MHA)
     n, m = query.shape[-2], key.shape[-2]
@@ -116,6 +129,7 @@ def multi_head_attention(
             "is_causal": is_causal,
             "return_weights": return_weights,
             "average_weights": average_weights,
+            "add_zero_attn": add_zero_attn,
             "chunk_size": chunk_size,
         },
     )
@@ -131,7 +145,7 @@ def check_multi_head(
         raise ValueError(f"{_MHA}: num_kv_heads must divide num_heads = {h}, got {h_kv}")
     layouts = ("(..., n, d_query)", "(..., m, d_key)", "(..., m, d_value)")
     _checks.require_query_key_value(_MHA, xp, query, key, value, layouts)
-    _params.require_mapping(_MHA, params, required=("w_q", "w_k", "w_v"), optional=("w_o", *_BIASES))
+    _params.require_mapping(_MHA, params, required=("w_q", "w_k", "w_v"), optional=("w_o", *_BIASES, *_EXTRA_KV))
     w_q = _params.matrix(_MHA, xp, params, "w_q", rows=query.shape[-1], rows_name="d_query", dtype=query.dtype)
     if w_q.shape[1] % h:
         raise ValueError(
@@ -162,6 +176,10 @@ def check_multi_head(
         if bias == "b_o" and params.get("w_o") is None and params.get("b_o") is not None:
             raise ValueError(f"{_MHA}: params['b_o'] needs params['w_o']")
         _params.vector(_MHA, xp, params, bias, size=size, dtype=query.dtype)
+    if (params.get("bias_k") is None) != (params.get("bias_v") is None):
+        raise ValueError(f"{_MHA}: params['bias_k'] and params['bias_v'] come together: give both or neither")
+    _params.vector(_MHA, xp, params, "bias_k", size=h_kv * d_k, dtype=query.dtype)
+    _params.vector(_MHA, xp, params, "bias_v", size=h_kv * d_v, dtype=query.dtype)
     return {"h": h, "h_kv": h_kv, "d_k": d_k, "d_v": d_v}
 
 
@@ -169,6 +187,11 @@ def _project(x: Any, params: Mapping[str, Any], weight: str, bias: str) -> Any:
     y = x @ params[weight]
     b = params.get(bias)
     return y if b is None else y + b
+
+
+def _append_position(xp: Any, x: Any, row: Any) -> Any:
+    """``x (..., m, width)`` with ``row (width,)`` as position ``m``."""
+    return xp.concat([x, xp.broadcast_to(row, (*x.shape[:-2], 1, x.shape[-1]))], axis=-2)
 
 
 def _split_heads(xp: Any, x: Any, heads: int) -> Any:
@@ -193,27 +216,46 @@ def _multi_head_generic(
     is_causal: bool,
     return_weights: bool,
     average_weights: bool,
+    add_zero_attn: bool = False,
     chunk_size: Any = None,
 ) -> Any:
     h, h_kv, d_v = layout["h"], layout["h_kv"], layout["d_v"]
     groups = h // h_kv
     n, m = query.shape[-2], key.shape[-2]
+    k, v = _project(key, params, "w_k", "b_k"), _project(value, params, "w_v", "b_v")
+    extra = 0  # keys appended after the projections, attended by every query
+    if params.get("bias_k") is not None:
+        k, v = _append_position(xp, k, params["bias_k"]), _append_position(xp, v, params["bias_v"])
+        extra += 1
     # Query heads as (h_kv, groups): query head i = kv * groups + g uses key/value head kv.
     q = _split_heads(xp, _project(query, params, "w_q", "b_q"), h)
     q = xp.reshape(q, (*q.shape[:-4], h_kv, groups, n, q.shape[-1]))
-    k = _split_heads(xp, _project(key, params, "w_k", "b_k"), h_kv)
-    v = _split_heads(xp, _project(value, params, "w_v", "b_v"), h_kv)
+    k, v = _split_heads(xp, k, h_kv), _split_heads(xp, v, h_kv)
+    if add_zero_attn:
+        k, v = (
+            _append_position(xp, a, xp.zeros(a.shape[-1], dtype=a.dtype, device=_checks.device_of(a))) for a in (k, v)
+        )
+        extra += 1
     batch_shape = _checks.leading_shape(query, key, value)
+    padding = None
     if key_lengths is not None:
-        padding = _masking.lengths_mask(xp, key_lengths, batch_shape, n, m)
+        padding = _heads_axis(xp, _masking.lengths_mask(xp, key_lengths, batch_shape, n, m), mask_per_head)
+    if extra and is_causal:  # the causal rule covers the m given keys only
+        causal = _masking.causal(xp, n, m, device=_checks.device_of(query))
+        padding = causal if padding is None else padding & causal
+        is_causal = False
+    if padding is not None:
         if mask is None or mask.dtype == xp.bool:
-            mask = padding if mask is None else _heads_axis(xp, padding, mask_per_head) & mask
+            mask = padding if mask is None else padding & mask
         else:
-            mask = _masking.as_additive(xp, _heads_axis(xp, padding, mask_per_head), mask, mask.dtype)
+            mask = _masking.as_additive(xp, padding, mask, mask.dtype)
+    mask = _masking.allow_extra_keys(xp, mask, extra)
     if mask is not None:
         if mask_per_head:
             shape = mask.shape
-            mask = xp.reshape(mask, (*shape[:-3], h_kv, groups, n, m)) if shape[-3] == h else mask[..., None, :, :]
+            mask = (
+                xp.reshape(mask, (*shape[:-3], h_kv, groups, *shape[-2:])) if shape[-3] == h else mask[..., None, :, :]
+            )
         else:
             mask = mask[..., None, None, :, :]
     result = scaled_dot_product_attention(
@@ -227,7 +269,7 @@ def _multi_head_generic(
     output = _project(concat, params, "w_o", "b_o") if params.get("w_o") is not None else concat
     if not return_weights:
         return output
-    weights = xp.reshape(weights, (*lead, h, n, m))
+    weights = xp.reshape(weights, (*lead, h, n, m + extra))
     return output, (xp.mean(weights, axis=-3) if average_weights else weights)
 
 
@@ -308,30 +350,67 @@ class MultiHeadAttention:
     **kwargs)`` calls :func:`multi_head_attention` (``key`` and ``value``
     default to ``query``: self-attention).
 
+    Parameters
+    ----------
+    batch_first : bool
+        Inputs are ``(..., batch, n, d)`` (the default), or ``(n, batch, d)``
+        as ``torch.nn.MultiheadAttention(batch_first=False)`` takes them; the
+        output has the inputs' layout, the weights are ``(batch, ..., n, m)``
+        either way (as PyTorch returns them).
+    add_zero_attn : bool
+        Passed to every call (see :func:`multi_head_attention`).
+
     Attributes
     ----------
     params : dict of str to array
     num_heads, num_kv_heads : int
+    batch_first, add_zero_attn : bool
 
     Examples
     --------
     Load a ``torch.nn.MultiheadAttention`` and get its outputs (its masks are
     the inverse of attnx's: ``True`` there means *ignore*)::
 
-        torch_mha = torch.nn.MultiheadAttention(16, 4, batch_first=True)
+        torch_mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
         mha = attnx.MultiHeadAttention.from_torch(torch_mha)
         mha(x)  # == torch_mha(x, x, x, need_weights=False)[0]
     """
 
-    def __init__(self, d_model: int, num_heads: int, *, params: Mapping[str, Any] | None = None, **init: Any) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        params: Mapping[str, Any] | None = None,
+        batch_first: bool = True,
+        add_zero_attn: bool = False,
+        **init: Any,
+    ) -> None:
+        op = "MultiHeadAttention"
         self.num_heads = num_heads
         self.num_kv_heads = init.get("num_kv_heads") or num_heads
+        self.batch_first = _checks.require_flag(op, "batch_first", batch_first)
+        self.add_zero_attn = _checks.require_flag(op, "add_zero_attn", add_zero_attn)
         self.params = dict(params) if params is not None else init_multi_head_params(d_model, num_heads, **init)
 
     @classmethod
     def from_torch(cls, module: Any) -> MultiHeadAttention:
-        """Copy a ``torch.nn.MultiheadAttention``'s weights (as torch tensors,
-        sharing storage, so gradients reach the module's parameters)."""
+        """A copy of a ``torch.nn.MultiheadAttention`` that computes exactly
+        what it computes: separate or packed projections (``kdim``,
+        ``vdim``), ``bias`` on or off, ``add_bias_kv``, ``add_zero_attn``,
+        and its ``batch_first`` layout.
+
+        The parameters are the module's own tensors (views, sharing storage),
+        so gradients reach the module.  A module that would compute something
+        attnx can't (dropout in training mode) is refused with a ValueError
+        naming the setting.
+        """
+        if module.dropout and module.training:
+            raise ValueError(
+                f"MultiHeadAttention.from_torch: the module has dropout={module.dropout} and is in training "
+                f"mode, where it drops weights at random; attnx has no dropout: call module.eval() first "
+                f"(or build it with dropout=0.0)"
+            )
         e = module.embed_dim
         if module.in_proj_weight is not None:
             w_q, w_k, w_v = (w.T for w in module.in_proj_weight.split(e, dim=0))
@@ -342,14 +421,42 @@ class MultiHeadAttention:
             params.update(zip(("b_q", "b_k", "b_v"), module.in_proj_bias.split(e, dim=0)))
         if module.out_proj.bias is not None:
             params["b_o"] = module.out_proj.bias
-        return cls(e, module.num_heads, params=params)
+        if module.bias_k is not None:  # (1, 1, e): one extra key and value
+            params["bias_k"], params["bias_v"] = module.bias_k.reshape(e), module.bias_v.reshape(e)
+        return cls(
+            e,
+            module.num_heads,
+            params=params,
+            batch_first=bool(module.batch_first),
+            add_zero_attn=bool(module.add_zero_attn),
+        )
 
     def __call__(self, query: Any, key: Any = None, value: Any = None, **kwargs: Any) -> Any:
         key = query if key is None else key
         value = key if value is None else value
         kwargs.setdefault("num_kv_heads", self.num_kv_heads)
-        return multi_head_attention(query, key, value, self.params, num_heads=self.num_heads, **kwargs)
+        kwargs.setdefault("add_zero_attn", self.add_zero_attn)
+        sequence_first = not self.batch_first and query.ndim >= 3
+        if sequence_first:  # (n, batch, d) -> (batch, n, d), and back for the output
+            query, key, value = (_swap_sequence_and_batch(x) for x in (query, key, value))
+        result = multi_head_attention(query, key, value, self.params, num_heads=self.num_heads, **kwargs)
+        if not sequence_first:
+            return result
+        if isinstance(result, tuple):
+            return _swap_sequence_and_batch(result[0]), result[1]
+        return _swap_sequence_and_batch(result)
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}={tuple(v.shape)}" for k, v in self.params.items())
-        return f"MultiHeadAttention(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, {shapes})"
+        return (
+            f"MultiHeadAttention(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"batch_first={self.batch_first}, add_zero_attn={self.add_zero_attn}, {shapes})"
+        )
+
+
+def _swap_sequence_and_batch(x: Any) -> Any:
+    """``(..., n, batch, d)`` <-> ``(..., batch, n, d)``."""
+    chosen, _ = _dispatch.resolve("MultiHeadAttention", None, ("x",), (x,))
+    axes = list(range(x.ndim))
+    axes[-3], axes[-2] = axes[-2], axes[-3]
+    return chosen.xp.permute_dims(x, tuple(axes))

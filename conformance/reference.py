@@ -90,15 +90,30 @@ def multi_head_attention(
     num_heads: int,
     num_kv_heads: int | None = None,
     allowed: np.ndarray | None = None,
+    add_zero_attn: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Head by head: (output, weights per head (..., h, n, m)).  ``allowed``
-    broadcasts to (..., n, m) or (..., h, n, m)."""
+    """Head by head: (output, weights per head (..., h, n, m')).  ``allowed``
+    broadcasts to (..., n, m) or (..., h, n, m).  ``params["bias_k"]`` and
+    ``["bias_v"]`` append one key/value row after the projections, and
+    ``add_zero_attn`` a row of zeros to every head: m' = m + 1 or m + 2,
+    those keys attended by every query."""
     p = {name: np.asarray(value_, dtype=np.float64) for name, value_ in params.items()}
     h = num_heads
     h_kv = num_kv_heads or h
     q = query @ p["w_q"] + p.get("b_q", 0.0)
     k = key @ p["w_k"] + p.get("b_k", 0.0)
     v = value @ p["w_v"] + p.get("b_v", 0.0)
+    extra = 0
+    if "bias_k" in p:
+        k = np.concatenate([k, np.broadcast_to(p["bias_k"], (*k.shape[:-2], 1, k.shape[-1]))], axis=-2)
+        v = np.concatenate([v, np.broadcast_to(p["bias_v"], (*v.shape[:-2], 1, v.shape[-1]))], axis=-2)
+        extra += 1
+    if add_zero_attn:  # zeros in every head: a zero row of the concatenated heads
+        k = np.concatenate([k, np.zeros((*k.shape[:-2], 1, k.shape[-1]))], axis=-2)
+        v = np.concatenate([v, np.zeros((*v.shape[:-2], 1, v.shape[-1]))], axis=-2)
+        extra += 1
+    if allowed is not None and extra:
+        allowed = np.concatenate([allowed, np.ones((*allowed.shape[:-1], extra), dtype=bool)], axis=-1)
     d_k, d_v = q.shape[-1] // h, v.shape[-1] // h_kv
     heads, weights = [], []
     for i in range(h):

@@ -75,6 +75,44 @@ def test_matches_reference(attnx_backend, config):
         assert_close(w_mean, expected_w.mean(axis=-3), be, dtype)
 
 
+@pytest.mark.parametrize("bias_kv, add_zero_attn", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("num_kv_heads", [None, 1])
+def test_extra_keys_bias_kv_and_zero_attention(attnx_backend, bias_kv, add_zero_attn, num_kv_heads):
+    """PyTorch's add_bias_kv and add_zero_attn: keys beyond every mask, attended by every query."""
+    be = attnx_backend
+    h, n, m = 2, 4, 5
+    h_kv = num_kv_heads or h
+    params = attnx.init_multi_head_params(8, h, num_kv_heads=num_kv_heads, seed=3, dtype="float64", backend="numpy")
+    gen = rng(12)
+    if bias_kv:
+        params["bias_k"] = gen.standard_normal(h_kv * 4)
+        params["bias_v"] = gen.standard_normal(h_kv * 4)
+    q, k = gen.standard_normal((2, n, 8)), gen.standard_normal((2, m, 8))
+    lengths = np.array([m, 0])  # the second sequence has no key of its own: only the extra ones
+    mask = gen.random((n, m)) < 0.7
+    allowed = reference.allowed_mask(n, m, batch_shape=(2,), key_lengths=lengths, mask=mask, is_causal=True)
+    expected, expected_w = reference.multi_head_attention(q, k, k, params, h, h_kv, allowed, add_zero_attn)
+    for dtype in be.dtypes:
+        out, w = attnx.multi_head_attention(
+            be.array(q, dtype),
+            be.array(k, dtype),
+            be.array(k, dtype),
+            params_on(be, params, dtype),
+            num_heads=h,
+            num_kv_heads=num_kv_heads,
+            mask=be.array(mask),
+            key_lengths=be.array(lengths),
+            is_causal=True,
+            add_zero_attn=add_zero_attn,
+            return_weights=True,
+            average_weights=False,
+        )
+        assert_close(out, expected, be, dtype, scale=10)
+        assert_close(w, expected_w, be, dtype)
+    assert expected_w.shape[-1] == m + bias_kv + add_zero_attn
+    assert np.all(expected_w[1, ..., :m] == 0) and np.allclose(expected_w[1].sum(-1), 1)
+
+
 def test_per_head_and_additive_masks(attnx_backend):
     be = attnx_backend
     h, n, m = 2, 3, 4
@@ -170,6 +208,13 @@ ERRORS = [
     ("missing w_k", dict(num_heads=2, drop="w_k"), ValueError, "missing 'w_k'"),
     ("bias shape", dict(num_heads=2, bad_bias=True), ValueError, "params['b_q'] must have shape (8,)"),
     ("params type", dict(num_heads=2, params=[1, 2]), TypeError, "params must be a mapping"),
+    (
+        "bias_k alone",
+        dict(num_heads=2, bias_k_only=True),
+        ValueError,
+        "params['bias_k'] and params['bias_v'] come together",
+    ),
+    ("add_zero_attn", dict(num_heads=2, add_zero_attn="yes"), TypeError, "add_zero_attn must be True or False"),
 ]
 
 
@@ -182,6 +227,8 @@ def test_bad_input(attnx_backend, name, case, exception, words):
         del params["w_k"]
     if case.pop("bad_bias", None):
         params["b_q"] = be.array(np.zeros(3), "float32")
+    if case.pop("bias_k_only", None):
+        params["bias_k"] = be.array(np.zeros(8), "float32")
     params = case.pop("params", params)
     x = be.array(np.ones((2, 3, 8)), "float32")
     with pytest.raises(exception) as info:
