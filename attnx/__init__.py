@@ -26,6 +26,17 @@ plugin_manager = _registry.plugin_manager
 register_plugin = _registry.register_plugin
 unregister_plugin = _registry.unregister_plugin
 
+
+def __getattr__(name: str):
+    # attnx.plot without importing it first, and without importing
+    # matplotlib with attnx.
+    if name == "plot":
+        import importlib
+
+        return importlib.import_module("attnx.plot")
+    raise AttributeError(f"module 'attnx' has no attribute {name!r}")
+
+
 __all__ = [
     "LearnedPositions",
     "MultiHeadAttention",
@@ -36,6 +47,7 @@ __all__ = [
     "init_multi_head_params",
     "multi_head_attention",
     "nadaraya_watson",
+    "plot",
     "receptive_field",
     "sinusoidal_positions",
     "Backend",

@@ -23,7 +23,10 @@ def attention_heatmap(
     Rows are queries, columns keys; ``queries``/``keys`` label them.
     Returns the matplotlib ``Axes``.
     """
-    import matplotlib.pyplot as plt
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError(f"attention_heatmap needs matplotlib: pip install 'attnx[plot]' ({exc})") from exc
 
     from attnx.conversion import to_numpy
 

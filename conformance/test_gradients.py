@@ -101,8 +101,8 @@ def test_family_gradients(attnx_backend, operation):
     check_gradients(attnx_backend, make(attnx_backend), arrays)
 
 
-@pytest.mark.parametrize("return_weights", [False, True], ids=["native-or-generic", "weights-path"])
-def test_sdpa_gradients_equal_pytorchs_own(attnx_backend, return_weights):
+@pytest.mark.parametrize("path", ["call", "weights-path", "generic", "chunked"])
+def test_sdpa_gradients_equal_pytorchs_own(attnx_backend, path):
     torch = pytest.importorskip("torch", reason="compares with PyTorch's own gradients")
     be = attnx_backend
     if not be.backend.supports_autograd:
@@ -112,8 +112,14 @@ def test_sdpa_gradients_equal_pytorchs_own(attnx_backend, return_weights):
     mask = gen.random((5, 6)) < 0.7
 
     def ours(q, k, v):
-        result = attnx.scaled_dot_product_attention(q, k, v, mask=be.array(mask), return_weights=return_weights)
-        return result[0] if return_weights else result
+        if path in ("generic", "chunked"):  # on torch the call runs PyTorch's own SDPA: check attnx's algorithm
+            from attnx.attention import sdpa_generic
+
+            arguments = dict(query=q, key=k, value=v, mask=be.array(mask), key_lengths=None, is_causal=False)
+            chunks = (2, 4) if path == "chunked" else None
+            return sdpa_generic(be.xp, **arguments, scale=0.5, return_weights=False, chunks=chunks)
+        result = attnx.scaled_dot_product_attention(q, k, v, mask=be.array(mask), return_weights=path == "weights-path")
+        return result[0] if path == "weights-path" else result
 
     got = be.backend.gradients(ours, [be.array(a, "float64") for a in arrays])
     leaves = [torch.tensor(a, requires_grad=True) for a in arrays]

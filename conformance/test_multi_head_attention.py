@@ -21,6 +21,7 @@ CONFIGS = [
     (8, 2, None, None, None, None, None, None, True, 5, 5, (2,)),
     (12, 3, None, 2, 5, 7, 6, 3, True, 4, 6, (2,)),
     (16, 4, 2, None, None, None, None, None, False, 3, 7, ()),
+    (12, 6, 2, None, None, None, None, None, True, 4, 5, (2,)),  # groups of 3: a wrong grouping shows
     (8, 4, 1, None, None, None, None, None, True, 1, 4, (2, 1)),
 ]
 
@@ -183,21 +184,23 @@ def test_matches_torch_multihead_attention(attnx_backend, bias, kdim):
 def test_grouped_query_matches_torch_enable_gqa(attnx_backend):
     torch = pytest.importorskip("torch", reason="compares with PyTorch's enable_gqa")
     be = attnx_backend
-    params = attnx.init_multi_head_params(16, 4, num_kv_heads=2, seed=4, dtype="float64", backend="numpy")
-    x = rng(11).standard_normal((2, 5, 16))
+    # Six query heads on two key/value heads: groups of three, so sharing
+    # by i // 3 (right) and by i % 2 (wrong) give different outputs.
+    params = attnx.init_multi_head_params(12, 6, num_kv_heads=2, seed=4, dtype="float64", backend="numpy")
+    x = rng(11).standard_normal((2, 5, 12))
     t = {k: torch.from_numpy(v) for k, v in params.items()}
     xt = torch.from_numpy(x)
     split = lambda y, heads: y.reshape(2, 5, heads, -1).transpose(1, 2)  # noqa: E731
     heads = torch.nn.functional.scaled_dot_product_attention(
-        split(xt @ t["w_q"] + t["b_q"], 4),
+        split(xt @ t["w_q"] + t["b_q"], 6),
         split(xt @ t["w_k"] + t["b_k"], 2),
         split(xt @ t["w_v"] + t["b_v"], 2),
         enable_gqa=True,
         is_causal=True,
     )
-    expected = heads.transpose(1, 2).reshape(2, 5, 16) @ t["w_o"] + t["b_o"]
+    expected = heads.transpose(1, 2).reshape(2, 5, 12) @ t["w_o"] + t["b_o"]
     out = attnx.multi_head_attention(
-        *[be.array(x, "float64")] * 3, params_on(be, params, "float64"), num_heads=4, num_kv_heads=2, is_causal=True
+        *[be.array(x, "float64")] * 3, params_on(be, params, "float64"), num_heads=6, num_kv_heads=2, is_causal=True
     )
     assert_close(out, expected.numpy(), be, "float64")
 

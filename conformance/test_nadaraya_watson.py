@@ -32,6 +32,20 @@ def test_matches_reference(attnx_backend, kernel, d, d_v):
         assert_close(w, expected_w, be, dtype)
 
 
+@pytest.mark.parametrize("kernel, expected", [("boxcar", [0.5, 0.5, 0.0]), ("epanechnikov", [1.0, 0.0, 0.0])])
+def test_compact_kernels_at_exactly_one_bandwidth(attnx_backend, kernel, expected):
+    """A key exactly one bandwidth away is inside the boxcar (|u| <= 1) and at
+    the epanechnikov kernel's zero."""
+    be = attnx_backend
+    for dtype in be.dtypes:
+        queries, keys, values = (be.array(a, dtype) for a in ([0.0], [0.0, 0.5, 1.5], [1.0, 3.0, 7.0]))
+        estimate, weights = attnx.nadaraya_watson(
+            queries, keys, values, kernel=kernel, bandwidth=0.5, return_weights=True
+        )
+        assert_close(weights, np.array([expected]), be, dtype)
+        assert_close(estimate, np.array([np.dot(expected, [1.0, 3.0, 7.0])]), be, dtype)
+
+
 def test_callable_kernel_and_learned_width(attnx_backend):
     be = attnx_backend
     gen = rng(41)

@@ -60,6 +60,13 @@ def test_rotary_scores_depend_only_on_offset(attnx_backend):
         qi = be.numpy(attnx.apply_rotary(be.array(q[None, :], "float64"), be.array(np.array([i]))))
         kj = be.numpy(attnx.apply_rotary(be.array(k[None, :], "float64"), be.array(np.array([j]))))
         scores[(i, j)] = float(qi[0] @ kj[0])
+    # The rotation pairs adjacent features (x_{2j}, x_{2j+1}) at angle p * 10000^(-2j/d).
+    rotated = be.numpy(attnx.apply_rotary(be.array(q[None, :], "float64"), be.array(np.array([3]))))[0]
+    for j in range(4):
+        angle = 3 * 10000.0 ** (-2 * j / 8)
+        c, s = np.cos(angle), np.sin(angle)
+        pair = q[2 * j : 2 * j + 2]
+        np.testing.assert_allclose(rotated[2 * j : 2 * j + 2], [c * pair[0] - s * pair[1], s * pair[0] + c * pair[1]])
     assert scores[(3, 1)] == pytest.approx(scores[(10, 8)], abs=1e-12) == pytest.approx(scores[(2, 0)], abs=1e-12)
     assert scores[(7, 7)] == pytest.approx(scores[(0, 0)], abs=1e-12) == pytest.approx(float(q @ k), abs=1e-12)
     assert abs(scores[(3, 1)] - scores[(0, 0)]) > 1e-6

@@ -117,21 +117,29 @@ def test_scale_argument(attnx_backend):
     assert_close(out, expected, be, "float64")
 
 
-def test_stable_with_large_scores(attnx_backend):
+@pytest.mark.parametrize("chunked", [False, True], ids=["plain", "chunked"])
+def test_stable_with_large_scores(attnx_backend, chunked):
+    """Scores far beyond float16's largest number (65504): half precision is
+    computed in float32, every dtype stays finite and right."""
     be = attnx_backend
     gen = rng(7)
-    q = gen.standard_normal((2, 3, 4)) * 100
-    k = gen.standard_normal((2, 5, 4)) * 100
+    q = gen.standard_normal((2, 3, 4)) * 300
+    k = gen.standard_normal((2, 5, 4)) * 300
     v = gen.standard_normal((2, 5, 3))
-    args = [be.array(a, "float32") for a in (q, k, v)]
-    out, weights = attnx.scaled_dot_product_attention(*args, scale=1.0, return_weights=True)
-    qr, kr, vr = (rounded(a, be, "float32") for a in (q, k, v))
-    assert np.abs(qr @ kr.swapaxes(-1, -2)).max() > 1e3  # scores of magnitude ~1e4
-    expected, expected_w = reference.scaled_dot_product_attention(qr, kr, vr, scale=1.0)
-    # near-one-hot rows: compare with an absolute tolerance
-    np.testing.assert_allclose(be.numpy(weights), expected_w, atol=1e-3)
-    np.testing.assert_allclose(be.numpy(out), expected, atol=1e-2)
-    assert np.isfinite(be.numpy(out)).all()
+    for dtype in be.dtypes:
+        args = [be.array(a, dtype) for a in (q, k, v)]
+        qr, kr, vr = (rounded(a, be, dtype) for a in (q, k, v))
+        assert np.abs(qr @ kr.swapaxes(-1, -2)).max() > 1e5
+        expected, expected_w = reference.scaled_dot_product_attention(qr, kr, vr, scale=1.0)
+        if chunked:
+            out = attnx.scaled_dot_product_attention(*args, scale=1.0, chunk_size=(2, 2))
+        else:
+            out, weights = attnx.scaled_dot_product_attention(*args, scale=1.0, return_weights=True)
+            # near-one-hot rows: compare with an absolute tolerance
+            np.testing.assert_allclose(be.numpy(weights).astype(np.float64), expected_w, atol=1e-2, err_msg=dtype)
+        got = be.numpy(out).astype(np.float64)
+        assert np.isfinite(got).all(), f"{dtype}: not finite"
+        np.testing.assert_allclose(got, expected, atol=2e-2, err_msg=dtype)
 
 
 def test_native_override_equals_generic(attnx_backend):
@@ -189,15 +197,64 @@ def test_chunked_equals_plain(attnx_backend, case, n, m, chunks):
     assert_close(generic, be.numpy(plain_scaled), be, "float64")
 
 
-def test_memory_budget_selects_chunks(attnx_backend):
+class BlockSpy:
+    """Stands in for a backend's ``map_blocks`` and records the blocks: the
+    proof that the chunked algorithm ran, with how many query blocks."""
+
+    def __init__(self, backend):
+        self.backend, self.calls = backend, []
+
+    def __call__(self, function, items):
+        items = list(items)
+        self.calls.append(items)
+        return [function(item) for item in items]
+
+
+def _generic_only(be):
+    if "scaled_dot_product_attention" in be.backend.implementations():
+        pytest.skip(f"{be.name}'s native scaled_dot_product_attention plans its own memory use")
+
+
+def test_chunked_algorithm_runs_its_blocks(attnx_backend):
+    be = attnx_backend
+    (q, k, v), (qr, kr, vr) = make_inputs(be, "float64", (2,), (2,), 7, 9, 4, 3)
+    spy = BlockSpy(be.backend)
+    arguments = dict(query=q, key=k, value=v, mask=None, key_lengths=None, is_causal=True, scale=0.5)
+    out = sdpa_generic(be.xp, **arguments, return_weights=False, chunks=(3, 4), map_blocks=spy)
+    assert spy.calls == [[0, 3, 6]], "the chunked algorithm did not run its three query blocks"
+    expected, _ = reference.scaled_dot_product_attention(
+        qr, kr, vr, allowed=reference.allowed_mask(7, 9, batch_shape=(2,), is_causal=True), scale=0.5
+    )
+    assert_close(out, expected, be, "float64")
+
+
+def test_chunk_size_takes_the_chunked_algorithm(attnx_backend, monkeypatch):
+    be = attnx_backend
+    _generic_only(be)
+    spy = BlockSpy(be.backend)
+    monkeypatch.setattr(be.backend, "map_blocks", spy)
+    (q, k, v), _ = make_inputs(be, "float64", (2,), (2,), 9, 5, 4, 3)
+    attnx.scaled_dot_product_attention(q, k, v, chunk_size=(4, 2))
+    assert spy.calls == [[0, 4, 8]]
+
+
+def test_memory_budget_selects_chunks(attnx_backend, monkeypatch):
     be = attnx_backend
     (q, k, v), (qr, kr, vr) = make_inputs(be, "float32", (2,), (2,), 64, 64, 8, 8)
     expected, _ = reference.scaled_dot_product_attention(
         qr, kr, vr, allowed=reference.allowed_mask(64, 64, batch_shape=(2,), is_causal=True)
     )
+    spy = BlockSpy(be.backend)
+    monkeypatch.setattr(be.backend, "map_blocks", spy)
     with attnx.memory_budget(1024):  # far below 2 * 64 * 64 * 4 bytes
         out = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert_close(out, expected, be, "float32")
+    if "scaled_dot_product_attention" not in be.backend.implementations():
+        assert spy.calls, "over the budget, the chunked algorithm must run"
+    spy.calls.clear()
+    with attnx.memory_budget(2**30):
+        attnx.scaled_dot_product_attention(q[:, :4, :], k[:, :4, :], v[:, :4, :])
+    assert spy.calls == [], "within the budget, small inputs take the plain algorithm"
     with pytest.raises(ValueError, match="chunk_size can't be combined with return_weights"):
         attnx.scaled_dot_product_attention(q, k, v, chunk_size=8, return_weights=True)
 

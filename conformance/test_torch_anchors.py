@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import attnx
+from attnx.attention import sdpa_generic
 from attnx_conformance.helpers import rng
 
 torch = pytest.importorskip("torch", reason="the anchor tests compare with PyTorch's own functions")
@@ -27,25 +28,36 @@ def test_sdpa_matches_torch(attnx_backend, n, m):
     lengths = np.array([m, max(1, m - 2)])
     args = [be.array(a, "float64") for a in (q, k, v)]
 
-    def compare(ours, theirs):
-        np.testing.assert_allclose(be.numpy(ours), theirs.numpy(), rtol=1e-10, atol=1e-12)
+    def compare(theirs, **kwargs):
+        """attnx's call, and attnx's generic algorithm called directly (on
+        torch the call itself runs PyTorch's SDPA: that alone would compare
+        PyTorch with itself), against PyTorch."""
+        ours = attnx.scaled_dot_product_attention(*args, **kwargs)
+        generic = sdpa_generic(
+            be.xp,
+            **dict(zip(("query", "key", "value"), args)),
+            mask=kwargs.get("mask"),
+            key_lengths=kwargs.get("key_lengths"),
+            is_causal=kwargs.get("is_causal", False),
+            scale=kwargs.get("scale", 8**-0.5),  # a Python float, as natives and the generic receive it
+            return_weights=False,
+        )
+        for got in (ours, generic):
+            np.testing.assert_allclose(be.numpy(got), theirs.numpy(), rtol=1e-10, atol=1e-12)
 
-    compare(attnx.scaled_dot_product_attention(*args), F.scaled_dot_product_attention(t(q), t(k), t(v)))
+    compare(F.scaled_dot_product_attention(t(q), t(k), t(v)))
     compare(
-        attnx.scaled_dot_product_attention(*args, mask=be.array(mask), scale=0.2),
         F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=torch.from_numpy(mask), scale=0.2),
+        mask=be.array(mask),
+        scale=0.2,
     )
     # attnx aligns is_causal bottom-right; PyTorch top-left: equal when n == m.
     top_left = np.tril(np.ones((n, m), dtype=bool))
-    theirs = F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=torch.from_numpy(top_left))
-    compare(attnx.scaled_dot_product_attention(*args, mask=be.array(top_left)), theirs)
-    if n == m:
-        compare(
-            attnx.scaled_dot_product_attention(*args, is_causal=True),
-            F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=True),
-        )
-    padding = torch.arange(m)[None, None, None, :] < torch.from_numpy(lengths)[:, None, None, None]
     compare(
-        attnx.scaled_dot_product_attention(*args, key_lengths=be.array(lengths)),
-        F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=padding),
+        F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=torch.from_numpy(top_left)),
+        mask=be.array(top_left),
     )
+    if n == m:
+        compare(F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=True), is_causal=True)
+    padding = torch.arange(m)[None, None, None, :] < torch.from_numpy(lengths)[:, None, None, None]
+    compare(F.scaled_dot_product_attention(t(q), t(k), t(v), attn_mask=padding), key_lengths=be.array(lengths))

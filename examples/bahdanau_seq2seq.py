@@ -11,12 +11,22 @@ anti-diagonal.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 
-import torch
-from torch import nn
+# Checked before anything trains: a missing plotting library found only at
+# the end would waste the whole run.
+_MISSING = [name for name in ("torch", "matplotlib") if importlib.util.find_spec(name) is None]
+if _MISSING:
+    sys.exit(
+        f"this example needs {' and '.join(_MISSING)}: pip install 'attnx[torch,plot]' "
+        "(PyTorch for CPU only: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+    )
 
-import attnx
-import attnx.plot
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import attnx  # noqa: E402
 
 VOCAB, LENGTH, BOS = 10, 7, 10  # digits 0-9, plus a start token
 
@@ -76,6 +86,9 @@ def main() -> None:
     source, target = batch(1, gen)
     with torch.no_grad():
         _, alignment = model(source, target)
+    weights = alignment[0]  # (output step, input position): reversal puts it on the anti-diagonal
+    on_anti_diagonal = weights.flip(1).diagonal().sum().item() / weights.sum().item()
+    print(f"attention on the anti-diagonal: {on_anti_diagonal:.3f} of the total {weights.sum().item():.6f}")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -10,15 +10,33 @@ predictions, then the fit and the attention weights are plotted.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 
-import torch
+# Checked before anything trains: a missing plotting library found only at
+# the end would waste the whole run.
+_MISSING = [name for name in ("torch", "matplotlib") if importlib.util.find_spec(name) is None]
+if _MISSING:
+    sys.exit(
+        f"this example needs {' and '.join(_MISSING)}: pip install 'attnx[torch,plot]' "
+        "(PyTorch for CPU only: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+    )
 
-import attnx
-import attnx.plot
+import torch  # noqa: E402
+
+import attnx  # noqa: E402
 
 
 def truth(x: torch.Tensor) -> torch.Tensor:
     return 2 * torch.sin(x) + x**0.8
+
+
+def make_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training inputs and targets (50 noisy points), and test inputs."""
+    gen = torch.Generator().manual_seed(0)
+    x_train = torch.sort(torch.rand(50, generator=gen, dtype=torch.float64) * 5).values
+    y_train = truth(x_train) + torch.randn(50, generator=gen, dtype=torch.float64) * 0.5
+    return x_train, y_train, torch.arange(0, 5, 0.1, dtype=torch.float64)
 
 
 def main() -> None:
@@ -26,10 +44,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", default="nadaraya_watson.png")
     args = parser.parse_args()
-    gen = torch.Generator().manual_seed(0)
-    x_train = torch.sort(torch.rand(50, generator=gen, dtype=torch.float64) * 5).values
-    y_train = truth(x_train) + torch.randn(50, generator=gen, dtype=torch.float64) * 0.5
-    x_test = torch.arange(0, 5, 0.1, dtype=torch.float64)
+    x_train, y_train, x_test = make_data()
 
     w = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
     optimizer = torch.optim.SGD([w], lr=0.5)
@@ -46,6 +61,10 @@ def main() -> None:
         optimizer.step()
         if step % 50 == 0 or step == args.steps - 1:
             print(f"step {step:3d}  leave-one-out MSE {loss.item():.3f}  w {w.item():.2f}")
+    with torch.no_grad():  # the fit at the learned w, to full precision (checked by the tests)
+        print(
+            f"learned w {w.item():.12f}  fit at the test inputs {attnx.nadaraya_watson(x_test, x_train, y_train, bandwidth=1 / w).tolist()}"
+        )
 
     with torch.no_grad():
         fit, weights = attnx.nadaraya_watson(x_test, x_train, y_train, bandwidth=1 / w, return_weights=True)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The tests a mutant must survive: attnx's fast unit tests, then the
-# conformance suite on NumPy.  Stops at the first failure (a killed mutant).
+# The tests a mutant must survive: attnx's fast unit tests (no subprocess-heavy
+# CLI, example or pytester runs), then the conformance suite on NumPy.  Stops
+# at the first failure: a killed mutant.
 set -euo pipefail
 export OPENBLAS_THREAD_TIMEOUT=4 OMP_NUM_THREADS=1 ATTNX_NUM_THREADS=1 ATTNX_STRICT_PLUGINS=1
-python -m pytest -x -q -p no:cacheprovider -p no:randomly \
-    tests/test_chunk_choice.py tests/test_dispatch.py tests/test_numpy_backend.py tests/test_registry.py \
-    tests/test_kills.py
+python -m pytest -x -q -p no:cacheprovider \
+    tests/test_chunk_choice.py tests/test_dispatch.py tests/test_numpy_backend.py tests/test_registry.py
 python -m pytest -x -q -p no:cacheprovider --pyargs attnx_conformance --attnx-backend numpy

@@ -54,6 +54,37 @@ def test_suite_fails_a_backend_that_drops_the_scale(pytester):
     result.stdout.fnmatch_lines(["*Not equal to tolerance*"])
 
 
+SLIGHTLY_WRONG = BROKEN.replace(
+    'kwargs["scale"] = 1.0  # the bug\n        return sdpa_generic(self.xp, **kwargs)',
+    'if kwargs["return_weights"]:\n            return NotImplemented\n'
+    "        return sdpa_generic(self.xp, **kwargs) * (1 + 1e-4)  # the bug: off by one part in ten thousand",
+).replace(
+    'name = "broken"', 'name = "broken"\n    float_dtypes = ("float32",)  # what float32\'s tolerance must catch alone'
+)
+
+
+def test_suite_fails_a_backend_that_is_off_by_one_part_in_ten_thousand(pytester):
+    """The tolerances are tight enough to see an error far below any that
+    drops a term: float32 results must be right to about 2e-5."""
+    assert "the bug: off by one part" in SLIGHTLY_WRONG and 'float_dtypes = ("float32",)' in SLIGHTLY_WRONG
+    pytester.makepyfile(broken_plugin=SLIGHTLY_WRONG)
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "broken_plugin",
+        "--pyargs",
+        "attnx_conformance.test_scaled_dot_product_attention",
+        "--attnx-backend",
+        "broken",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "test_matches_reference_over_shapes_and_dtypes",
+    )
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) >= 5, outcomes
+    result.stdout.fnmatch_lines(["*Not equal to tolerance*"])
+
+
 def test_suite_runs_from_the_command_line_on_numpy(pytester):
     result = pytester.run("attnx", "conformance", "numpy", "-k", "test_masks_match_reference and causal")
     assert result.ret == 0

@@ -1,11 +1,14 @@
-"""The examples run (briefly) and write their plots."""
+"""The examples run (briefly), check their dependencies first, and compute the right numbers."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -14,17 +17,105 @@ pytest.importorskip("matplotlib")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.mark.parametrize("script, steps", [("bahdanau_seq2seq.py", 150), ("nadaraya_watson_fit.py", 20)])
-def test_example_runs(tmp_path, script, steps):
+def _run(script, *args):
+    return subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=300)
+
+
+def _module(script):
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), EXAMPLES / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_seq2seq_learns_reversal_with_normalised_anti_diagonal_attention(tmp_path):
     out = tmp_path / "plot.png"
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), "--steps", str(steps), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _run("bahdanau_seq2seq.py", "--steps", "150", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 10_000
-    if script == "bahdanau_seq2seq.py":
-        last = [line for line in result.stdout.splitlines() if "token accuracy" in line][-1]
-        assert float(last.rpartition("token accuracy")[2]) > 0.5, result.stdout
+    last = [line for line in result.stdout.splitlines() if "token accuracy" in line][-1]
+    assert float(last.rpartition("token accuracy")[2]) > 0.5, result.stdout
+    share, total = map(float, re.search(r"anti-diagonal: ([\d.]+) of the total ([\d.]+)", result.stdout).groups())
+    assert share > 2 / 7, result.stdout  # over twice a uniform spread (1/7), after only 150 steps
+    assert total == pytest.approx(7.0, abs=1e-5), "each of the 7 output steps' weights must sum to 1"
+
+
+def test_seq2seq_attention_equals_the_formula_on_the_model_s_own_tensors():
+    import torch
+
+    import attnx
+
+    example = _module("bahdanau_seq2seq.py")
+    model = example.Seq2Seq()
+    source, _ = example.batch(4, torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        annotations, _ = model.encoder(model.embed(source))
+        state = torch.tanh(model.init_state(annotations.mean(1)))
+        params = {"w_q": model.w_q, "w_k": model.w_k, "w_v": model.w_v}
+        context, weights = attnx.bahdanau_context(state, annotations, params, return_weights=True)
+    h, s = annotations.double().numpy(), state.double().numpy()
+    w_q, w_k, w_v = (p.detach().double().numpy() for p in (model.w_q, model.w_k, model.w_v))
+    scores = np.tanh((s @ w_q)[:, None, :] + h @ w_k) @ w_v  # a(s, h_i) = w_v . tanh(W_q s + W_k h_i)
+    expected_weights = np.exp(scores - scores.max(1, keepdims=True))
+    expected_weights /= expected_weights.sum(1, keepdims=True)
+    np.testing.assert_allclose(weights.numpy(), expected_weights, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(context.numpy(), np.einsum("bt,btd->bd", expected_weights, h), rtol=1e-4, atol=1e-5)
+
+
+def test_kernel_regression_fit_equals_the_formula_at_the_learned_width(tmp_path):
+    out = tmp_path / "plot.png"
+    result = _run("nadaraya_watson_fit.py", "--steps", "20", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_size > 10_000
+    line = [line for line in result.stdout.splitlines() if line.startswith("learned w")][-1]
+    w = float(line.split()[2])
+    fit = np.array(eval(line.partition("fit at the test inputs ")[2]))  # a printed list of floats
+    x_train, y_train, x_test = (t.numpy() for t in _module("nadaraya_watson_fit.py").make_data())
+    weights = np.exp(-(((x_test[:, None] - x_train[None, :]) * w) ** 2) / 2)
+    expected = weights @ y_train / weights.sum(1)
+    np.testing.assert_allclose(fit, expected, rtol=1e-9)
+    assert w != pytest.approx(1.0, abs=0.05), "the width was not learned"
+
+
+@pytest.mark.parametrize("script", ["bahdanau_seq2seq.py", "nadaraya_watson_fit.py"])
+def test_a_missing_dependency_is_reported_before_training(script, tmp_path):
+    blocker = tmp_path / "sitecustomize.py"  # makes matplotlib look uninstalled
+    blocker.write_text(
+        "import importlib.util\n_find = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, *a: None if name == 'matplotlib' else _find(name, *a)\n"
+    )
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--steps", "1000000"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "needs matplotlib: pip install 'attnx[torch,plot]'" in result.stderr
+    assert "step" not in result.stdout
+
+
+def test_attnx_plot_is_reachable_after_a_plain_import():
+    code = (
+        "import sys, attnx\n"
+        "assert 'matplotlib' not in sys.modules\n"
+        "import matplotlib; matplotlib.use('Agg')\n"
+        "import numpy as np\n"
+        "ax = attnx.plot.attention_heatmap(np.eye(3))\n"
+        "print(type(ax).__name__)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "Axes"
+
+
+def test_attention_heatmap_without_matplotlib_says_how_to_install_it():
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; sys.modules['matplotlib.pyplot'] = None\n"
+        "import attnx, numpy as np\n"
+        "attnx.plot.attention_heatmap(np.eye(3))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 1 and "needs matplotlib: pip install 'attnx[plot]'" in result.stderr

@@ -37,9 +37,23 @@ def test_one_thread_is_sequential(monkeypatch):
     assert backend.map_blocks(lambda i: threading.current_thread() is threading.main_thread(), range(3)) == [True] * 3
 
 
-def test_threaded_chunks_equal_sequential_chunks():
+def test_threaded_chunks_equal_sequential_chunks(monkeypatch):
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 3, 40, 8)) for _ in range(3))
+    backend = attnx._registry.get("numpy")
+    monkeypatch.setattr(backend, "concurrent_blocks", 2)
+    workers = set()
+    original = backend.map_blocks
+
+    def recording(function, items):
+        def run(item):
+            workers.add(threading.current_thread().name)
+            return function(item)
+
+        return original(run, items)
+
+    monkeypatch.setattr(backend, "map_blocks", recording)
     threaded = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, chunk_size=(7, 9))
+    assert workers and all(name.startswith("attnx-numpy") for name in workers), workers
     plain = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, return_weights=True)[0]
     np.testing.assert_allclose(threaded, plain, rtol=1e-12, atol=1e-14)

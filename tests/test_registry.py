@@ -124,3 +124,23 @@ def test_cli_backends_table():
     assert header.split()[:3] == ["backend", "available", "version"]
     assert any(row.startswith("numpy") and " yes " in row for row in rows)
     assert any(row.startswith("cupy") for row in rows)
+
+
+def test_an_entry_point_whose_module_raises_on_import_is_listed_not_fatal(monkeypatch, tmp_path):
+    from importlib.metadata import EntryPoint
+
+    registry_module = sys.modules["attnx._registry"]  # attnx._registry is the registry object
+
+    (tmp_path / "attnx_test_raises_on_import.py").write_text("raise RuntimeError('no frobnicator on this machine')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("ATTNX_STRICT_PLUGINS", raising=False)
+    found = [EntryPoint("frob", "attnx_test_raises_on_import", "attnx.test-group")]
+    monkeypatch.setattr(registry_module, "entry_points", lambda group: found if group == "attnx.test-group" else [])
+    registry = Registry(group="attnx.test-group")
+    with pytest.warns(attnx.PluginWarning, match="no frobnicator"):
+        rows = registry.info()
+    (row,) = rows
+    assert row.name == "frob" and not row.available and "no frobnicator on this machine" in row.reason
+    monkeypatch.setenv("ATTNX_STRICT_PLUGINS", "1")
+    with pytest.raises(attnx.PluginError, match="no frobnicator"):
+        Registry(group="attnx.test-group").info()
