@@ -130,24 +130,36 @@ def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]]) -> tuple
     return tuple(result)
 
 
-def leading_shape(query: Any, key: Any, value: Any, operation: str = "") -> tuple[int, ...]:
+QKV = ("query", "key", "value")
+
+
+def leading_shape(
+    query: Any, key: Any, value: Any, operation: str = "", names: tuple[str, str, str] = QKV
+) -> tuple[int, ...]:
     """The broadcast leading shape ``(...)`` of ``query (..., n, d)``,
     ``key (..., m, d)`` and ``value (..., m, d_v)``, or a ValueError naming
-    them."""
-    return broadcast(operation, {"query": query.shape[:-2], "key": key.shape[:-2], "value": value.shape[:-2]})
+    them (as ``names`` says the caller's arguments are called)."""
+    return broadcast(operation, dict(zip(names, (query.shape[:-2], key.shape[:-2], value.shape[:-2]))))
 
 
 def require_query_key_value(
-    operation: str, xp: Any, query: Any, key: Any, value: Any, layouts: tuple[str, str, str]
+    operation: str,
+    xp: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    layouts: tuple[str, str, str],
+    names: tuple[str, str, str] = QKV,
 ) -> None:
-    """Each of query, key, value a real floating array with at least two
-    dimensions (``layouts`` say which), and as many values as keys."""
-    for name, array, layout in zip(("query", "key", "value"), (query, key, value), layouts):
+    """Each of query, key, value (called ``names`` by the caller) a real
+    floating array with at least two dimensions (``layouts`` say which), and
+    as many values as keys."""
+    for name, array, layout in zip(names, (query, key, value), layouts):
         require_ndim(operation, name, array, 2, layout)
         require_float(operation, xp, name, array)
     if key.shape[-2] != value.shape[-2]:
         raise ValueError(
-            f"{operation}: value must have m = {key.shape[-2]} positions (from key), got shape {shape_of(value)}"
+            f"{operation}: {names[2]} must have m = {key.shape[-2]} positions (from {names[1]}), got shape {shape_of(value)}"
         )
 
 
@@ -194,10 +206,16 @@ def require_size(operation: str, names: str, *sizes: int) -> None:
         )
 
 
+def require_int(operation: str, name: str, value: Any) -> int:
+    """``value`` as an int (anything with ``__index__`` but a bool); a
+    TypeError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{operation}: {name} must be an integer, got {value!r} ({type(value).__name__})")
+    return int(value.__index__())
+
+
 def require_positive_int(operation: str, name: str, value: Any, *, allow_zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
-        raise TypeError(f"{operation}: {name} must be an integer, got {type(value).__name__}")
-    value = int(value.__index__())
+    value = require_int(operation, name, value)
     if value < 0 or (value == 0 and not allow_zero):
         expected = "a non-negative" if allow_zero else "a positive"
         raise ValueError(f"{operation}: {name} must be {expected} integer, got {value}")

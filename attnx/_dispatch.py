@@ -32,22 +32,25 @@ def resolve(
     backend: str | None,
     names: Sequence[str],
     arrays: Sequence[Any],
+    required: int = 0,
 ) -> tuple[Backend, str]:
     """The backend that runs ``operation`` on ``arrays``, and why.
 
-    ``names`` are the argument names, used in error messages only.
+    ``names`` are the argument names, used in error messages only.  Every
+    argument must be an array of a registered backend, or ``None`` where
+    optional: the first ``required`` may not be ``None``.
     """
     owner = owner_name = owner_array = None
     known_types = registry._type_owners  # the hot path: one dict lookup per array
-    for name, array in zip(names, arrays):
+    for index, (name, array) in enumerate(zip(names, arrays)):
         if array is None:
+            if index < required:
+                raise TypeError(f"{operation}: {name} must be an array, got None")
             continue
         kind = type(array)
         found = known_types.get(kind)
         if found is None:
-            if isinstance(array, _NOT_ARRAYS):
-                continue
-            found = registry.owner_of(array)
+            found = registry.owner_of(array) if not isinstance(array, _NOT_ARRAYS) else None
         if found is None:
             if backend is not None and registry.get(backend).owns(array):
                 continue

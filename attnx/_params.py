@@ -24,6 +24,13 @@ def require_mapping(operation: str, params: Any, *, required: tuple[str, ...], o
         )
 
 
+def _require_array(operation: str, name: str, value: Any) -> None:
+    # Arrays of a backend were checked by dispatch; Python scalars pass it (as
+    # for bandwidth=0.5), so they are refused here.
+    if not hasattr(value, "shape"):
+        raise TypeError(f"{operation}: params[{name!r}] must be an array, got {type(value).__name__}")
+
+
 def _check_dtype(operation: str, xp: Any, name: str, array: Any, dtype: Any) -> None:
     _checks.require_float(operation, xp, f"params[{name!r}]", array)
     if dtype is not None and array.dtype != dtype:
@@ -46,6 +53,7 @@ def matrix(
 ) -> Any:
     """``params[name]``, checked to be a ``(rows, cols)`` matrix."""
     w = params[name]
+    _require_array(operation, name, w)
     expected = f"({rows_name}, {cols_name or 'any'})"
     if w.ndim != 2 or w.shape[0] != rows or (cols is not None and w.shape[1] != cols):
         wanted = (rows, cols) if cols is not None else (rows, "*")
@@ -61,6 +69,7 @@ def vector(operation: str, xp: Any, params: Mapping[str, Any], name: str, *, siz
     b = params.get(name)
     if b is None:
         return None
+    _require_array(operation, name, b)
     if _checks.shape_of(b) != (size,):
         raise ValueError(f"{operation}: params[{name!r}] must have shape ({size},), got {_checks.shape_of(b)}")
     _check_dtype(operation, xp, name, b, dtype)

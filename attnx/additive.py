@@ -55,7 +55,7 @@ def additive_attention(
     names = ("query", "key", "value", "mask", "key_lengths", "params['w_q']", "params['w_k']", "params['w_v']")
     getter = params.get if isinstance(params, Mapping) else (lambda name: None)
     chosen, reason = _dispatch.resolve(
-        _ADD, backend, names, (query, key, value, mask, key_lengths, getter("w_q"), getter("w_k"), getter("w_v"))
+        _ADD, backend, names, (query, key, value, mask, key_lengths, getter("w_q"), getter("w_k"), getter("w_v")), 3
     )
     xp = chosen.xp
     _checks.require_flag(_ADD, "return_weights", return_weights)
@@ -77,19 +77,38 @@ def additive_attention(
     )
 
 
-def check_additive(xp: Any, query: Any, key: Any, value: Any, params: Any, mask: Any, key_lengths: Any) -> None:
-    layouts = ("(..., n, d_query)", "(..., m, d_key)", "(..., m, d_v)")
-    _checks.require_query_key_value(_ADD, xp, query, key, value, layouts)
-    _checks.require_same_dtype(_ADD, ("query", "key", "value"), (query, key, value))
-    _params.require_mapping(_ADD, params, required=("w_q", "w_k", "w_v"), optional=())
-    w_q = _params.matrix(_ADD, xp, params, "w_q", rows=query.shape[-1], rows_name="d_query", dtype=query.dtype)
+def check_additive(
+    xp: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    params: Any,
+    mask: Any,
+    key_lengths: Any,
+    operation: str = _ADD,
+    names: tuple[str, str, str] = _checks.QKV,
+    layouts: tuple[str, str, str] = ("(..., n, d_query)", "(..., m, d_key)", "(..., m, d_v)"),
+) -> None:
+    """Validate additive attention's inputs, named as the caller's arguments."""
+    _checks.require_query_key_value(operation, xp, query, key, value, layouts, names)
+    _checks.require_same_dtype(operation, names, (query, key, value))
+    _params.require_mapping(operation, params, required=("w_q", "w_k", "w_v"), optional=())
+    w_q = _params.matrix(operation, xp, params, "w_q", rows=query.shape[-1], rows_name="d_query", dtype=query.dtype)
     hidden = w_q.shape[1]
     _params.matrix(
-        _ADD, xp, params, "w_k", rows=key.shape[-1], rows_name="d_key", cols=hidden, cols_name="h", dtype=query.dtype
+        operation,
+        xp,
+        params,
+        "w_k",
+        rows=key.shape[-1],
+        rows_name="d_key",
+        cols=hidden,
+        cols_name="h",
+        dtype=query.dtype,
     )
-    _params.vector(_ADD, xp, params, "w_v", size=hidden, dtype=query.dtype)
-    batch_shape = _checks.leading_shape(query, key, value, _ADD)
-    _masking.check_masks(_ADD, xp, mask, key_lengths, batch_shape, query.shape[-2], key.shape[-2])
+    _params.vector(operation, xp, params, "w_v", size=hidden, dtype=query.dtype)
+    batch_shape = _checks.leading_shape(query, key, value, operation, names)
+    _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, query.shape[-2], key.shape[-2])
 
 
 def additive_scores(xp: Any, query: Any, key: Any, params: Mapping[str, Any]) -> Any:
@@ -168,15 +187,32 @@ def bahdanau_context(
     context : array, shape (..., d_h)
     weights : array, shape (..., T), only with ``return_weights=True``
     """
-    _checks.require_flag("bahdanau_context", "return_weights", return_weights)
-    if getattr(decoder_state, "ndim", 1) < 1:
-        raise ValueError(
-            f"bahdanau_context: decoder_state must have shape (..., d_s), got {_checks.shape_of(decoder_state)}"
-        )
-    query = decoder_state[..., None, :]
-    result = additive_attention(
-        query, annotations, annotations, params, key_lengths=key_lengths, return_weights=return_weights, backend=backend
+    op = "bahdanau_context"
+    _checks.require_flag(op, "return_weights", return_weights)
+    getter = params.get if isinstance(params, Mapping) else (lambda name: None)
+    chosen, reason = _dispatch.resolve(
+        op,
+        backend,
+        ("decoder_state", "annotations", "key_lengths", "params['w_q']", "params['w_k']", "params['w_v']"),
+        (decoder_state, annotations, key_lengths, getter("w_q"), getter("w_k"), getter("w_v")),
+        2,
     )
+    xp = chosen.xp
+    _checks.require_ndim(op, "decoder_state", decoder_state, 1, "(..., d_s)")
+    query = decoder_state[..., None, :]  # one query per sequence
+    names = ("decoder_state", "annotations", "annotations")
+    layouts = ("(..., d_s)", "(..., T, d_h)", "(..., T, d_h)")
+    check_additive(xp, query, annotations, annotations, params, None, key_lengths, op, names, layouts)
+    arguments = {
+        "query": query,
+        "key": annotations,
+        "value": annotations,
+        "params": params,
+        "mask": None,
+        "key_lengths": key_lengths,
+        "return_weights": return_weights,
+    }
+    result = _dispatch.call(_ADD, chosen, reason, _additive_generic, arguments)
     if return_weights:
         return result[0][..., 0, :], result[1][..., 0, :]
     return result[..., 0, :]

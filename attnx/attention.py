@@ -84,7 +84,7 @@ def scaled_dot_product_attention(
     ``(query_chunk, key_chunk)`` the generic algorithm would use) and
     ``batch_shape`` (the broadcast leading shape), after validation.
     """
-    chosen, reason = _dispatch.resolve(_SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths))
+    chosen, reason = _dispatch.resolve(_SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths), 3)
     xp = chosen.xp
     if is_causal is not False or return_weights is not False:  # the common call skips the checks
         _checks.require_flag(_SDPA, "is_causal", is_causal)
@@ -326,11 +326,12 @@ def masked_softmax(
     """
     operation = "masked_softmax"
     chosen, reason = _dispatch.resolve(
-        operation, backend, ("scores", "mask", "key_lengths"), (scores, mask, key_lengths)
+        operation, backend, ("scores", "mask", "key_lengths"), (scores, mask, key_lengths), 1
     )
     xp = chosen.xp
     _checks.require_ndim(operation, "scores", scores, 1, "(..., m)")
     _checks.require_float(operation, xp, "scores", scores)
+    axis = _checks.require_int(operation, "axis", axis)
     if not -scores.ndim <= axis < scores.ndim:
         raise ValueError(f"{operation}: axis {axis} is out of range for scores with {scores.ndim} dimensions")
     shape = _checks.shape_of(scores)
@@ -339,6 +340,10 @@ def masked_softmax(
     if len(moved) == 1:
         moved = (1, *moved)
     batch_shape, n, m = moved[:-2], moved[-2], moved[-1]
+    if scores.ndim == 1 and mask is not None and mask.ndim > 1:  # the (1, m) view is attnx's, not the user's
+        raise ValueError(
+            f"{operation}: mask must broadcast to the scores' shape ({m},), got shape {_checks.shape_of(mask)}"
+        )
     _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, n, m)
     return _dispatch.call(
         operation,

@@ -33,7 +33,7 @@ def causal_conv1d(
     -------
     array, shape (..., c_out, ceil(length / stride))
     """
-    chosen, reason = _dispatch.resolve(_CONV, backend, ("x", "weight", "bias"), (x, weight, bias))
+    chosen, reason = _dispatch.resolve(_CONV, backend, ("x", "weight", "bias"), (x, weight, bias), 2)
     xp = chosen.xp
     _checks.require_ndim(_CONV, "x", x, 2, "(..., c_in, length)")
     if weight.ndim != 3:
@@ -43,7 +43,9 @@ def causal_conv1d(
     for name, array in zip(names, arrays):
         _checks.require_float(_CONV, xp, name, array)
     _checks.require_same_dtype(_CONV, names, arrays)
-    c_out, c_in, _ = weight.shape
+    c_out, c_in, kernel_size = weight.shape
+    if kernel_size == 0:
+        raise ValueError(f"{_CONV}: weight must have a kernel_size of at least 1, got shape {_checks.shape_of(weight)}")
     if x.shape[-2] != c_in:
         raise ValueError(
             f"{_CONV}: x must have shape (..., c_in, length) with c_in = {c_in} (from weight), got {_checks.shape_of(x)}"
@@ -64,18 +66,27 @@ def causal_conv1d(
 def _causal_conv1d_generic(xp: Any, *, x: Any, weight: Any, bias: Any, stride: int, dilation: int) -> Any:
     kernel_size = weight.shape[-1]
     length = x.shape[-1]
-    pad = (kernel_size - 1) * dilation
+    out_length = -(-length // stride)
+    # A tap that looks back ``shift >= length`` positions sees only the zero
+    # padding: it is skipped, so the padding never exceeds the input (a huge
+    # dilation costs nothing).
+    pad = min((kernel_size - 1) * dilation, max(length - 1, 0))
     if pad:
         zeros = xp.zeros((*x.shape[:-1], pad), dtype=x.dtype, device=_checks.device_of(x))
         x = xp.concat([zeros, x], axis=-1)
-    out_length = -(-length // stride)
     span = stride * (out_length - 1) + 1
     output = None
     # One matrix product per tap: (c_out, c_in) @ (..., c_in, out_length).
     for tap in range(kernel_size):
-        start = tap * dilation
+        shift = (kernel_size - 1 - tap) * dilation
+        if length == 0 or shift > pad:
+            continue
+        start = pad - shift
         term = weight[:, :, tap] @ x[..., start : start + span : stride]
         output = term if output is None else output + term
+    if output is None:  # no input, or every tap beyond it
+        shape = (*x.shape[:-2], weight.shape[0], out_length)
+        output = xp.zeros(shape, dtype=x.dtype, device=_checks.device_of(x))
     if bias is not None:
         output = output + bias[:, None]
     return output
@@ -93,12 +104,14 @@ def receptive_field(kernel_size: int | Sequence[int], dilations: Sequence[int]) 
     16
     """
     op = "receptive_field"
+    if not isinstance(dilations, (list, tuple)):
+        raise TypeError(f"{op}: dilations must be a list of positive integers, got {type(dilations).__name__}")
     dilations = [_checks.require_positive_int(op, "dilations[]", d) for d in dilations]
-    if isinstance(kernel_size, int):
-        sizes = [kernel_size] * len(dilations)
-    else:
+    if isinstance(kernel_size, (list, tuple)):
         sizes = list(kernel_size)
         if len(sizes) != len(dilations):
             raise ValueError(f"{op}: kernel_size must be an int or one per layer ({len(dilations)}), got {len(sizes)}")
+    else:
+        sizes = [_checks.require_positive_int(op, "kernel_size", kernel_size)] * len(dilations)
     sizes = [_checks.require_positive_int(op, "kernel_size", k) for k in sizes]
     return 1 + sum((k - 1) * d for k, d in zip(sizes, dilations))

@@ -73,7 +73,8 @@ def nadaraya_watson(
     A query that no key reaches (compact kernels) gets zeros, never NaN.
     """
     names = ("queries", "keys", "values", "bandwidth")
-    chosen, reason = _dispatch.resolve(_NW, backend, names, (queries, keys, values, bandwidth))
+    bandwidth_array = None if isinstance(bandwidth, (int, float)) else bandwidth  # a number needs no backend
+    chosen, reason = _dispatch.resolve(_NW, backend, names, (queries, keys, values, bandwidth_array), 3)
     xp = chosen.xp
     _checks.require_flag(_NW, "return_weights", return_weights)
     for name, array in (("queries", queries), ("keys", keys), ("values", values)):

@@ -88,7 +88,7 @@ def from_lengths(lengths: Any, m: int, *, backend: str | None = None) -> Any:
     ``mask=attnx.masks.from_lengths(lengths, m)[..., None, :]``.
     """
     operation = "from_lengths"
-    chosen, _ = _dispatch.resolve(operation, backend, ("lengths",), (lengths,))
+    chosen, _ = _dispatch.resolve(operation, backend, ("lengths",), (lengths,), 1)
     xp = chosen.xp
     m = _checks.require_positive_int(operation, "m", m, allow_zero=True)
     _masking.check_lengths(operation, xp, lengths, _checks.shape_of(lengths), 1, m)

@@ -97,7 +97,7 @@ def multi_head_attention(
         else (query,)
     )
     names = ("query", "key", "value", "mask", "key_lengths", *(f"params[{p!r}]" for p in entries))
-    chosen, reason = _dispatch.resolve(_MHA, backend, names, arrays)
+    chosen, reason = _dispatch.resolve(_MHA, backend, names, arrays, 3)
     xp = chosen.xp
     for flag, setting in (
         ("is_causal", is_causal),

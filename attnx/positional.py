@@ -97,7 +97,7 @@ def apply_rotary(x: Any, positions: Any = None, *, base: float = 10000.0, backen
     array, same shape, dtype and device as ``x``
     """
     op = "apply_rotary"
-    chosen, reason = _dispatch.resolve(op, backend, ("x", "positions"), (x, positions))
+    chosen, reason = _dispatch.resolve(op, backend, ("x", "positions"), (x, positions), 1)
     xp = chosen.xp
     _checks.require_ndim(op, "x", x, 2, "(..., n, d)")
     _checks.require_float(op, xp, "x", x)
@@ -111,13 +111,19 @@ def apply_rotary(x: Any, positions: Any = None, *, base: float = 10000.0, backen
             raise ValueError(
                 f"{op}: positions must have shape (..., n) with n = {n}, got {_checks.shape_of(positions)}"
             )
-        _checks.broadcast(op, {"positions": positions.shape[:-1], "x": x.shape[:-2]})
+        lead = tuple(x.shape[:-2])
+        if _checks.broadcast(op, {"positions": positions.shape[:-1], "x": lead}) != lead:
+            raise ValueError(
+                f"{op}: positions must broadcast to x's shape (..., n) = {(*lead, n)}, got {_checks.shape_of(positions)}"
+            )
     base = _positive_base(op, base)
     return _dispatch.call(op, chosen, reason, _rotary_generic, {"x": x, "positions": positions, "base": base})
 
 
 def _rotary_generic(xp: Any, *, x: Any, positions: Any, base: float) -> Any:
     n, d = x.shape[-2:]
+    if d == 0:  # no feature to rotate
+        return x
     device = _checks.device_of(x)
     compute = _checks.accumulation_dtype(xp, x.dtype)
     if positions is None:

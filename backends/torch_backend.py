@@ -104,6 +104,8 @@ def _scaled_dot_product_attention(
     same_leading = leading == k_shape[:-2] == v_shape[:-2]
     if not same_leading:
         leading = batch_shape or _checks.broadcast("", {"q": leading, "k": k_shape[:-2], "v": v_shape[:-2]})
+    if n == 0 or m == 0 or 0 in leading:
+        return NotImplemented  # nothing to attend: the generic algorithm's zeros
     if mask is None and key_lengths is None and (not is_causal or n == m):
         attn_mask = None  # lets PyTorch pick its fused kernels
     else:

@@ -73,6 +73,8 @@ def scaled_dot_product_attention(
 ) -> tuple[np.ndarray, np.ndarray]:
     """softmax(q k^T * scale + additive) v with the allowed mask; (output, weights)."""
     query, key, value = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
+    lead = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+    query, key, value = (np.broadcast_to(a, (*lead, *a.shape[-2:])) for a in (query, key, value))
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     scores = np.einsum("...nd,...md->...nm", query, key) * scale
