@@ -15,7 +15,7 @@ class CuPyBackend(Backend):
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("cupy") is None:
-            return "cupy is not installed (pip install 'attnx[cupy]' on a machine with CUDA)"
+            return "cupy is not installed (pip install 'attnx[cupy]' on a machine with CUDA 12)"
         try:
             import cupy
 
