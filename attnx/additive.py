@@ -153,7 +153,11 @@ def _additive_generic(
     )
     weights = _masking.softmax(xp, scores, allowed, additive)
     output = weights @ value
-    return (output, weights) if return_weights else output
+    if not return_weights:
+        return output
+    if tuple(weights.shape[:-2]) != tuple(batch_shape):  # leading dimensions only value had
+        weights = xp.broadcast_to(weights, (*batch_shape, *weights.shape[-2:]))
+    return output, weights
 
 
 def bahdanau_context(

@@ -285,7 +285,11 @@ def sdpa_generic(
     if compute != dtype:
         output = xp.astype(output, dtype)
         weights = None if weights is None else xp.astype(weights, dtype)
-    return (output, weights) if return_weights else output
+    if not return_weights:
+        return output
+    if tuple(weights.shape[:-2]) != tuple(batch_shape):  # leading dimensions only value had
+        weights = xp.broadcast_to(weights, (*batch_shape, n, m))
+    return output, weights
 
 
 def _empty_attention(xp: Any, query: Any, key: Any, value: Any, batch_shape: Any, return_weights: bool) -> Any:

@@ -85,3 +85,15 @@ def test_bad_params(attnx_backend):
         ValueError, match=r"additive_attention: params\['w_k'\] must have shape \(d_key, h\) = \(6, 8\), got \(4, 8\)"
     ):
         attnx.additive_attention(arrays["q"], arrays["k"], arrays["v"], params)
+
+
+def test_leading_dimensions_only_value_has_shape_the_weights_too(attnx_backend):
+    be = attnx_backend
+    arrays, exact = make(be, "float64", (3, 4), (5, 6), 2, 8, seed=3)
+    value = rng(32).standard_normal((2, 5, 2))
+    params = {n: arrays[n] for n in ("w_q", "w_k", "w_v")}
+    out, w = attnx.additive_attention(arrays["q"], arrays["k"], be.array(value, "float64"), params, return_weights=True)
+    expected, expected_w = reference.additive_attention(exact["q"], exact["k"], value, exact)
+    assert_close(out, expected, be, "float64")
+    assert_close(w, expected_w, be, "float64")
+    assert tuple(w.shape) == (2, 3, 5)

@@ -107,7 +107,13 @@ def sdpa_call(draw):
 
     def expected(query, key, value, mask, key_lengths, is_causal, scale, return_weights):
         lead = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
-        lengths_per = "batch" if key_lengths is not None and key_lengths.ndim == 1 and len(lead) > 1 else "sequence"
+        # The documented layouts: (B,) for the first leading dimension, else
+        # the leading shape (broadcast), else one length per query.
+        lengths_per = "sequence"
+        if key_lengths is not None and key_lengths.ndim == 1 and len(lead) > 1 and key_lengths.shape[0] == lead[0]:
+            lengths_per = "batch"
+        elif key_lengths is not None and key_lengths.ndim == len(lead) + 1:
+            lengths_per = "query"
         additive = mask if mask is not None and mask.dtype != bool else None
         allowed = reference.allowed_mask(
             query.shape[-2],

@@ -283,3 +283,16 @@ def test_empty_queries_or_keys(attnx_backend, n, m):
     out, weights = attnx.scaled_dot_product_attention(q, k, v, return_weights=True)
     assert_close(weights, np.zeros((2, n, m)), be, "float32")
     assert_close(attnx.masked_softmax(be.array(np.zeros((2, n, m)), "float32")), np.zeros((2, n, m)), be, "float32")
+
+
+def test_leading_dimensions_only_value_has_shape_the_weights_too(attnx_backend):
+    """Weights come from query and key, but broadcast to the leading shape of
+    all three, as the output does."""
+    be = attnx_backend
+    gen = rng(13)
+    q, k, v = gen.standard_normal((3, 4)), gen.standard_normal((5, 4)), gen.standard_normal((2, 5, 3))
+    out, weights = attnx.scaled_dot_product_attention(*(be.array(a, "float64") for a in (q, k, v)), return_weights=True)
+    expected, expected_w = reference.scaled_dot_product_attention(q, k, v)
+    assert_close(out, expected, be, "float64")
+    assert_close(weights, expected_w, be, "float64")
+    assert tuple(weights.shape) == (2, 3, 5)
