@@ -97,3 +97,14 @@ def test_leading_dimensions_only_value_has_shape_the_weights_too(attnx_backend):
     assert_close(out, expected, be, "float64")
     assert_close(w, expected_w, be, "float64")
     assert tuple(w.shape) == (2, 3, 5)
+
+
+def test_a_w_k_of_the_wrong_width_is_refused(attnx_backend):
+    be = attnx_backend
+    arrays, _ = make(be, "float32", (3, 4), (5, 6), 2, 8)
+    for columns in (9, 7):
+        params = {"w_q": arrays["w_q"], "w_k": be.array(np.zeros((6, columns)), "float32"), "w_v": arrays["w_v"]}
+        with pytest.raises(
+            ValueError, match=rf"params\['w_k'\] must have shape \(d_key, h\) = \(6, 8\), got \(6, {columns}\)"
+        ):
+            attnx.additive_attention(arrays["q"], arrays["k"], arrays["v"], params)

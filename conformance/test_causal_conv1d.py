@@ -89,3 +89,11 @@ def test_bad_input(attnx_backend):
     for bias_shape in [(1,), (3,), (2, 1), ()]:  # one bias per output channel, no broadcasting
         with pytest.raises(ValueError, match=r"causal_conv1d: bias must have shape \(c_out,\) = \(2,\)"):
             attnx.causal_conv1d(x, weight, be.array(np.zeros(bias_shape), "float32"))
+
+
+def test_defaults_are_stride_1_and_dilation_1(attnx_backend):
+    be = attnx_backend
+    gen = rng(63)
+    x, w = gen.standard_normal((2, 3, 9)), gen.standard_normal((4, 3, 3))
+    got = attnx.causal_conv1d(be.array(x, "float64"), be.array(w, "float64"))
+    assert_close(got, reference.causal_conv1d(x, w, stride=1, dilation=1), be, "float64")

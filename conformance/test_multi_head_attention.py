@@ -237,3 +237,32 @@ def test_bad_input(attnx_backend, name, case, exception, words):
     with pytest.raises(exception) as info:
         attnx.multi_head_attention(x, x, x, params, **case)
     assert words in str(info.value) and "multi_head_attention" in str(info.value)
+
+
+@pytest.mark.parametrize("heads_axis", [2, 1], ids=["per-head", "heads-axis-of-1"])
+def test_boolean_mask_and_key_lengths_combine(attnx_backend, heads_axis):
+    """Both masks apply (logical and), with a mask per head or one broadcast over the heads."""
+    be = attnx_backend
+    h, n, m = 2, 3, 5
+    params = attnx.init_multi_head_params(8, h, seed=6, dtype="float64", backend="numpy")
+    gen = rng(14)
+    q, k = gen.standard_normal((2, n, 8)), gen.standard_normal((2, m, 8))
+    mask = gen.random((2, heads_axis, n, m)) < 0.6
+    lengths = np.array([m, 2])
+    allowed = mask & (np.arange(m) < lengths[:, None, None, None])
+    expected, expected_w = reference.multi_head_attention(
+        q, k, k, params, h, allowed=np.broadcast_to(allowed, (2, h, n, m))
+    )
+    out, w = attnx.multi_head_attention(
+        be.array(q, "float64"),
+        be.array(k, "float64"),
+        be.array(k, "float64"),
+        params_on(be, params, "float64"),
+        num_heads=h,
+        mask=be.array(mask),
+        key_lengths=be.array(lengths),
+        return_weights=True,
+        average_weights=False,
+    )
+    assert_close(out, expected, be, "float64")
+    assert_close(w, expected_w, be, "float64")
