@@ -35,9 +35,10 @@ attnx.register_plugin(Plugin(), name="broken-plugin")
 '''
 
 
-def test_suite_fails_a_backend_that_drops_the_scale(pytester):
-    pytester.makepyfile(broken_plugin=BROKEN)
-    result = pytester.runpytest_subprocess(
+def _sdpa_suite_on_broken(pytester, plugin_source, *options):
+    """The SDPA conformance tests on the "broken" backend that ``plugin_source`` registers."""
+    pytester.makepyfile(broken_plugin=plugin_source)
+    return pytester.runpytest_subprocess(
         "-p",
         "broken_plugin",
         "--pyargs",
@@ -46,7 +47,12 @@ def test_suite_fails_a_backend_that_drops_the_scale(pytester):
         "broken",
         "-p",
         "no:cacheprovider",
+        *options,
     )
+
+
+def test_suite_fails_a_backend_that_drops_the_scale(pytester):
+    result = _sdpa_suite_on_broken(pytester, BROKEN)
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) >= 5, outcomes
     assert outcomes.get("passed", 0) >= 1, outcomes  # calls that decline to the native path still pass
@@ -67,19 +73,7 @@ def test_suite_fails_a_backend_that_is_off_by_one_part_in_ten_thousand(pytester)
     """The tolerances are tight enough to see an error far below any that
     drops a term: float32 results must be right to about 2e-5."""
     assert "the bug: off by one part" in SLIGHTLY_WRONG and 'float_dtypes = ("float32",)' in SLIGHTLY_WRONG
-    pytester.makepyfile(broken_plugin=SLIGHTLY_WRONG)
-    result = pytester.runpytest_subprocess(
-        "-p",
-        "broken_plugin",
-        "--pyargs",
-        "attnx_conformance.test_scaled_dot_product_attention",
-        "--attnx-backend",
-        "broken",
-        "-p",
-        "no:cacheprovider",
-        "-k",
-        "test_matches_reference_over_shapes_and_dtypes",
-    )
+    result = _sdpa_suite_on_broken(pytester, SLIGHTLY_WRONG, "-k", "test_matches_reference_over_shapes_and_dtypes")
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) >= 5, outcomes
     result.stdout.fnmatch_lines(["*Not equal to tolerance*"])
