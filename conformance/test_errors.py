@@ -24,6 +24,12 @@ CASES = [
         ["broadcast", "query (2,)", "key (3,)"],
     ),
     ("integer query", {"query": ((2, 3, 4), "int64")}, TypeError, ["query", "floating", "int64"]),
+    (
+        "all integer",
+        {"query": ((2, 3, 4), "int64"), "key": ((2, 5, 4), "int64"), "value": ((2, 5, 6), "int64")},
+        TypeError,
+        ["query", "floating", "int64"],
+    ),
     ("mixed dtypes", {"key": ((2, 5, 4), "float64")}, TypeError, ["key", "float64", "float32"]),
     ("mask shape", {"mask": ((2, 3, 7), "bool")}, ValueError, ["mask", "(2, 3, 5)", "(2, 3, 7)"]),
     ("mask dtype", {"mask": ((3, 5), "int32")}, TypeError, ["mask", "boolean", "int32"]),
