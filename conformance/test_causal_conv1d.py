@@ -85,6 +85,9 @@ def test_bad_input(attnx_backend):
         attnx.causal_conv1d(x, be.array(np.zeros((2, 3, 2)), "float32"), dilation=0)
     with pytest.raises(TypeError, match="weight has dtype float64 but x has float32"):
         attnx.causal_conv1d(x, be.array(np.zeros((2, 3, 2)), "float64"))
+    for weight_shape in [(2, 3, 2, 1), (2, 3)]:
+        with pytest.raises(ValueError, match=r"causal_conv1d: weight must have shape \(c_out, c_in, kernel_size\)"):
+            attnx.causal_conv1d(x, be.array(np.zeros(weight_shape), "float32"))
     weight = be.array(np.zeros((2, 3, 2)), "float32")
     for bias_shape in [(1,), (3,), (2, 1), ()]:  # one bias per output channel, no broadcasting
         with pytest.raises(ValueError, match=r"causal_conv1d: bias must have shape \(c_out,\) = \(2,\)"):

@@ -128,6 +128,9 @@ def test_a_wrong_w_q_width_is_reported_naming_w_q(attnx_backend):
         attnx.multi_head_attention(x, x, x, params, num_heads=2)
     message = str(info.value)
     assert "params['w_q']" in message and "(8, 12)" in message and "d_k = 6" in message and "d_k = 4" in message
+    params["w_q"], params["w_k"] = be.array(np.ones((8, 8)), "float32"), be.array(np.ones((8, 7)), "float32")
+    with pytest.raises(ValueError, match=r"h_kv = 2 gives d_k = 3\.5"):  # no whole d_k fits w_k
+        attnx.multi_head_attention(x, x, x, params, num_heads=2)
 
 
 def _dtype_objects():

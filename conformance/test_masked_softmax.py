@@ -80,3 +80,14 @@ def test_masks_combine_and_feed_attention(attnx_backend):
     x = be.array(rng(23).standard_normal((5, 4)), "float64")
     _, weights = attnx.scaled_dot_product_attention(x, x, x, mask=mask, return_weights=True)
     assert (be.numpy(weights)[~be.numpy(mask)] == 0).all()
+
+
+def test_a_mask_of_more_dimensions_than_1d_scores_is_refused(attnx_backend):
+    be = attnx_backend
+    scores = be.array(np.zeros(4), "float32")
+    with pytest.raises(
+        ValueError, match=r"masked_softmax: mask must broadcast to the scores' shape \(4,\), got shape \(1, 4\)"
+    ):
+        attnx.masked_softmax(scores, mask=be.array(np.ones((1, 4), dtype=bool)))
+    got = attnx.masked_softmax(scores, mask=be.array(np.array([True, True, False, False])))
+    assert_close(got, np.array([0.5, 0.5, 0.0, 0.0]), be, "float32")

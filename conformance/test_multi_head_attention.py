@@ -239,19 +239,21 @@ def test_bad_input(attnx_backend, name, case, exception, words):
     assert words in str(info.value) and "multi_head_attention" in str(info.value)
 
 
+@pytest.mark.parametrize("num_kv_heads", [None, 1], ids=["mha", "mqa"])
 @pytest.mark.parametrize("heads_axis", [2, 1], ids=["per-head", "heads-axis-of-1"])
-def test_boolean_mask_and_key_lengths_combine(attnx_backend, heads_axis):
-    """Both masks apply (logical and), with a mask per head or one broadcast over the heads."""
+def test_boolean_mask_and_key_lengths_combine(attnx_backend, heads_axis, num_kv_heads):
+    """Both masks apply (logical and), with a mask per head or one broadcast
+    over the heads, with or without heads sharing keys."""
     be = attnx_backend
     h, n, m = 2, 3, 5
-    params = attnx.init_multi_head_params(8, h, seed=6, dtype="float64", backend="numpy")
+    params = attnx.init_multi_head_params(8, h, num_kv_heads=num_kv_heads, seed=6, dtype="float64", backend="numpy")
     gen = rng(14)
     q, k = gen.standard_normal((2, n, 8)), gen.standard_normal((2, m, 8))
     mask = gen.random((2, heads_axis, n, m)) < 0.6
     lengths = np.array([m, 2])
     allowed = mask & (np.arange(m) < lengths[:, None, None, None])
     expected, expected_w = reference.multi_head_attention(
-        q, k, k, params, h, allowed=np.broadcast_to(allowed, (2, h, n, m))
+        q, k, k, params, h, num_kv_heads, allowed=np.broadcast_to(allowed, (2, h, n, m))
     )
     out, w = attnx.multi_head_attention(
         be.array(q, "float64"),
@@ -259,6 +261,7 @@ def test_boolean_mask_and_key_lengths_combine(attnx_backend, heads_axis):
         be.array(k, "float64"),
         params_on(be, params, "float64"),
         num_heads=h,
+        num_kv_heads=num_kv_heads,
         mask=be.array(mask),
         key_lengths=be.array(lengths),
         return_weights=True,

@@ -137,6 +137,7 @@ def test_stable_with_large_scores(attnx_backend, chunked):
             out, weights = attnx.scaled_dot_product_attention(*args, scale=1.0, return_weights=True)
             # near-one-hot rows: compare with an absolute tolerance
             np.testing.assert_allclose(be.numpy(weights).astype(np.float64), expected_w, atol=1e-2, err_msg=dtype)
+        assert be.dtype_name(out) == dtype, f"{dtype} inputs gave a {be.dtype_name(out)} result"
         got = be.numpy(out).astype(np.float64)
         assert np.isfinite(got).all(), f"{dtype}: not finite"
         np.testing.assert_allclose(got, expected, atol=2e-2, err_msg=dtype)
