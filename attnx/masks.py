@@ -39,6 +39,7 @@ def causal(
     """
     n = _checks.require_positive_int("causal", "n", n, allow_zero=True)
     m = n if m is None else _checks.require_positive_int("causal", "m", m, allow_zero=True)
+    _checks.require_size("causal", "n x m", n, m)
     _masking._offset(n, m, align)
     chosen, _, device = _dispatch.resolve_creation("causal", backend, device)
     return _masking.causal(chosen.xp, n, m, align=align, device=device)
@@ -71,6 +72,7 @@ def sliding_window(
     operation = "sliding_window"
     n = _checks.require_positive_int(operation, "n", n, allow_zero=True)
     m = n if m is None else _checks.require_positive_int(operation, "m", m, allow_zero=True)
+    _checks.require_size(operation, "n x m", n, m)
     left, right = (window, 0) if not isinstance(window, tuple) else window
     if isinstance(window, tuple) and len(window) != 2:
         raise ValueError(f"{operation}: window must be an int or a (left, right) pair, got {window!r}")

@@ -47,6 +47,7 @@ def sinusoidal_positions(
     op = "sinusoidal_positions"
     num_positions = _checks.require_positive_int(op, "num_positions", num_positions, allow_zero=True)
     dim = _checks.require_positive_int(op, "dim", dim)
+    _checks.require_size(op, "num_positions x dim", num_positions, dim)
     base = _positive_base(op, base)
     chosen, reason, device = _dispatch.resolve_creation(op, backend, device)
     return _dispatch.call(
@@ -166,6 +167,7 @@ class LearnedPositions:
         op = "LearnedPositions"
         num_positions = _checks.require_positive_int(op, "num_positions", num_positions)
         dim = _checks.require_positive_int(op, "dim", dim)
+        _checks.require_size(op, "num_positions x dim", num_positions, dim)
         self.table = _params.create(op, backend, seed, dtype, device, normal={"table": (num_positions, dim)})["table"]
 
     def __call__(self, positions: int | Any) -> Any:

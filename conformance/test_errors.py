@@ -156,3 +156,20 @@ def test_asarray_reads_any_library_s_dtype_by_its_name(attnx_backend, label, dty
 def test_asarray_refuses_what_is_not_a_dtype(attnx_backend, dtype):
     with pytest.raises(TypeError, match=r"asarray: dtype .* is not a dtype of the"):
         attnx.asarray(np.arange(3), backend=attnx_backend.name, dtype=dtype)
+
+
+@pytest.mark.attnx_operation("positional_encodings")
+@pytest.mark.parametrize(
+    "create, names",
+    [
+        (lambda be: attnx.masks.causal(2**40, 2**40, backend=be), "n x m"),
+        (lambda be: attnx.masks.sliding_window(2**40, 2**40, 1, backend=be), "n x m"),
+        (lambda be: attnx.sinusoidal_positions(2**40, 2**30, backend=be), "num_positions x dim"),
+        (lambda be: attnx.LearnedPositions(2**40, 2**30, backend=be), "num_positions x dim"),
+    ],
+    ids=["causal", "sliding_window", "sinusoidal_positions", "LearnedPositions"],
+)
+def test_sizes_whose_product_no_array_can_hold_are_refused_by_name(attnx_backend, create, names):
+    """Each size is a valid int64, their product is not: refused before allocating."""
+    with pytest.raises(ValueError, match=rf"{names} = {2**40} x \d+ would need more than 2\*\*63 - 1 elements"):
+        create(attnx_backend.name)
