@@ -269,3 +269,16 @@ def test_boolean_mask_and_key_lengths_combine(attnx_backend, heads_axis, num_kv_
     )
     assert_close(out, expected, be, "float64")
     assert_close(w, expected_w, be, "float64")
+
+
+def test_module_with_sequence_first_inputs(attnx_backend):
+    """batch_first=False takes (n, batch, d) and returns that layout; the weights stay (batch, n, m)."""
+    be = attnx_backend
+    params = params_on(be, attnx.init_multi_head_params(8, 2, seed=7, dtype="float64", backend="numpy"), "float64")
+    x = rng(15).standard_normal((2, 5, 8))  # (batch, n, d)
+    batch_first = attnx.MultiHeadAttention(8, 2, params=params)
+    sequence_first = attnx.MultiHeadAttention(8, 2, params=params, batch_first=False)
+    expected, expected_w = batch_first(be.array(x, "float64"), return_weights=True)
+    out, w = sequence_first(be.array(x.transpose(1, 0, 2), "float64"), return_weights=True)
+    assert_close(out, be.numpy(expected).transpose(1, 0, 2), be, "float64")
+    assert_close(w, be.numpy(expected_w), be, "float64")
