@@ -14,6 +14,8 @@ from typing import Any
 
 import array_api_compat
 
+from attnx._registry import registry
+
 #: The device an array lives on, for any array API library.
 device_of = array_api_compat.device
 
@@ -45,11 +47,38 @@ DTYPE_NAMES = frozenset(
 
 def require_dtype_name(operation: str, xp: Any, backend_name: str, dtype: Any) -> str:
     """The name of ``dtype`` (any library's dtype object, or a name), checked
-    to be a dtype of ``xp``; a TypeError naming ``dtype`` otherwise."""
+    to be a dtype of ``xp`` that it can make here (JAX has float64 only in x64
+    mode); a TypeError naming ``dtype`` otherwise."""
     name = dtype_label(dtype)
     if name not in DTYPE_NAMES or not hasattr(xp, name):
         raise TypeError(f"{operation}: dtype {dtype!r} is not a dtype of the {backend_name!r} backend")
+    offered = _offered_dtypes(xp)
+    if offered is not None and name in _STANDARD_DTYPES and name not in offered:
+        raise TypeError(
+            f"{operation}: dtype {name} is not available on the {backend_name!r} backend here "
+            f"(it offers {', '.join(sorted(offered))})"
+        )
     return name
+
+
+#: The dtypes of the standard, which its inspection API lists when available.
+_STANDARD_DTYPES = DTYPE_NAMES - {"float16", "bfloat16"}
+
+
+def _offered_dtypes(xp: Any) -> frozenset[str] | None:
+    """Names of the dtypes ``xp`` can make now (the standard's inspection
+    API), or None where the namespace has no inspection API.  Not cached: JAX
+    changes its answer when x64 mode is switched."""
+    info = getattr(xp, "__array_namespace_info__", None)
+    if info is None:
+        return None
+    return frozenset(info().dtypes())
+
+
+def widest_float(xp: Any) -> Any:
+    """float64 where ``xp`` can make it now, else float32."""
+    offered = _offered_dtypes(xp)
+    return xp.float64 if offered is None or "float64" in offered else xp.float32
 
 
 def dtype_name(array: Any) -> str:
@@ -171,23 +200,48 @@ def require_flag(operation: str, name: str, value: Any) -> bool:
     return value
 
 
-def require_scale(operation: str, scale: Any, d_k: int) -> float:
-    """The scale as a finite Python float (``1 / sqrt(d_k)`` when None).
+def require_scale(operation: str, xp: Any, scale: Any, d_k: int, dtype: Any) -> Any:
+    """The scale: a finite Python float (``1 / sqrt(d_k)`` when None), or a
+    0-d real array of the inputs' backend (traced or not, so gradients reach
+    it) cast to the dtype the scores are computed in for inputs of ``dtype``.
 
-    A Python float keeps NumPy 2 from promoting float32 inputs (NEP 50); a
-    0-d array of the inputs' backend is read as its value.
+    A Python float keeps NumPy 2 from promoting float32 inputs (NEP 50), and
+    so does the cast of an array.  An array's finiteness is checked only when
+    its value can be read (:func:`values_known`).
     """
     if scale is None:
         return 1.0 / math.sqrt(d_k) if d_k else 1.0
     if isinstance(scale, bool) or not (isinstance(scale, numbers.Real) or getattr(scale, "ndim", None) == 0):
         raise TypeError(f"{operation}: scale must be a real number or None, got {scale!r} ({type(scale).__name__})")
-    try:
+    if isinstance(scale, numbers.Real):
         value = float(scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"{operation}: scale must be a real number or None, got {type(scale).__name__}") from None
-    if not math.isfinite(value):
-        raise ValueError(f"{operation}: scale must be finite, got {value}")
-    return value
+        if not math.isfinite(value):
+            raise ValueError(f"{operation}: scale must be finite, got {value}")
+        return value
+    if _kind(xp, scale.dtype) not in ("float", "int"):
+        raise TypeError(
+            f"{operation}: scale must be a real number or None, got a 0-d array of dtype {dtype_name(scale)}"
+        )
+    if values_known(scale) and not bool(xp.isfinite(scale)):
+        raise ValueError(f"{operation}: scale must be finite, got {scale!r}")
+    compute = accumulation_dtype(xp, dtype)
+    return xp.astype(scale, compute) if scale.dtype != compute else scale
+
+
+def scale_array(scale: Any) -> Any:
+    """``scale`` if it is an array (for the backend and device checks of the
+    inputs), else None."""
+    if scale is None or isinstance(scale, (float, int, numbers.Real)) or getattr(scale, "ndim", None) is None:
+        return None
+    return scale
+
+
+def values_known(array: Any) -> bool:
+    """Whether ``array``'s values can be read now: not while it is traced
+    (``jax.jit``, ``torch.compile``, vectorizing maps) nor when it is lazy
+    (Dask), as its backend's :meth:`~attnx.Backend.is_concrete` says.  Checks
+    that need values run only then."""
+    return registry.is_concrete(array)
 
 
 #: Sizes beyond this cannot index an array (NumPy's and PyTorch's int64 limit).

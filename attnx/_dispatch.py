@@ -103,9 +103,10 @@ def resolve_creation(operation: str, backend: str | None, device: Any) -> tuple[
 
 
 def _require_same_device(operation: str, first_name: str, first: Any, name: str, array: Any) -> None:
-    # ``.device`` is the standard's attribute; arrays without one pass.
+    # ``.device`` is the standard's attribute.  Arrays without one, or whose
+    # device is unknown while they are traced (JAX's tracers), agree with all.
     first_device, device = getattr(first, "device", None), getattr(array, "device", None)
-    if device != first_device:
+    if device != first_device and device is not None and first_device is not None:
         raise ValueError(
             f"{operation}: inputs lie on two devices: {first_name} on {first_device} but {name} on {device}; "
             f"move one with attnx.asarray(x, device=...)"

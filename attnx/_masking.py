@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from array_api_compat import is_writeable_array
 
-from attnx._checks import broadcast, device_of, dtype_kind, dtype_name, shape_of
+from attnx._checks import broadcast, device_of, dtype_kind, dtype_name, shape_of, values_known
 
 Align = Literal["bottom_right", "top_left"]
 
@@ -129,7 +129,9 @@ def check_lengths(operation: str, xp: Any, key_lengths: Any, batch_shape: tuple[
             f"{operation}: key_lengths must have shape {first}the leading shape {batch_shape} "
             f"(broadcastable) or {(*batch_shape, n)} (one per query), got {shape}"
         )
-    if xp.any(key_lengths < 0) or xp.any(key_lengths > m):
+    # Reading values would break a trace or compute a lazy graph: traced and
+    # lazy lengths are checked by their shape and dtype only.
+    if values_known(key_lengths) and (xp.any(key_lengths < 0) or xp.any(key_lengths > m)):
         low, high = int(xp.min(key_lengths)), int(xp.max(key_lengths))
         raise ValueError(
             f"{operation}: key_lengths must lie in [0, m] with m = {m} keys, got values from {low} to {high}"

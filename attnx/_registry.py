@@ -210,6 +210,12 @@ class Registry:
                     self._multi_device_types.add(kind)
         return owner
 
+    def is_concrete(self, array: Any) -> bool:
+        """Whether ``array``'s values can be read now (its owner's
+        :meth:`~attnx.Backend.is_concrete`): not while it is traced or lazy."""
+        owner = self._type_owners.get(type(array)) or self.owner_of(array)
+        return owner is None or owner.is_concrete(array)
+
     def is_shared(self, kind: type) -> bool:
         """Whether more than one available backend owns arrays of type ``kind``."""
         return kind in self._shared_types

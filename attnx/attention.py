@@ -11,7 +11,7 @@ from attnx._config import get_memory_budget
 __all__ = ["masked_softmax", "scaled_dot_product_attention"]
 
 _SDPA = "scaled_dot_product_attention"
-_SDPA_ARGS = ("query", "key", "value", "mask", "key_lengths")
+_SDPA_ARGS = ("query", "key", "value", "mask", "key_lengths", "scale")
 
 
 def scaled_dot_product_attention(
@@ -22,7 +22,7 @@ def scaled_dot_product_attention(
     mask: Any = None,
     key_lengths: Any = None,
     is_causal: bool = False,
-    scale: float | None = None,
+    scale: float | Any | None = None,
     return_weights: bool = False,
     chunk_size: int | tuple[int, int] | None = None,
     backend: str | None = None,
@@ -51,8 +51,10 @@ def scaled_dot_product_attention(
         to the end, the usual lower triangle when ``n == m`` and right for
         decoding with cached keys.  (PyTorch aligns to the start; pass
         ``mask=attnx.masks.causal(n, m, align="top_left")`` for that.)
-    scale : float, optional
-        Multiplies the scores; ``1 / sqrt(d_k)`` by default.
+    scale : float or 0-d array, optional
+        Multiplies the scores; ``1 / sqrt(d_k)`` by default.  A 0-d array of
+        the inputs' backend may be traced (``jax.jit``, ``torch.compile``)
+        and receives gradients.
     return_weights : bool
         Also return the attention weights.
     chunk_size : int or (int, int), optional
@@ -80,11 +82,13 @@ def scaled_dot_product_attention(
 
     Native implementations are called with the keyword arguments ``query``,
     ``key``, ``value``, ``mask``, ``key_lengths``, ``is_causal``, ``scale``
-    (a float), ``return_weights``, ``chunks`` (None, or the
+    (a float, or a 0-d array in the computation's dtype), ``return_weights``, ``chunks`` (None, or the
     ``(query_chunk, key_chunk)`` the generic algorithm would use) and
     ``batch_shape`` (the broadcast leading shape), after validation.
     """
-    chosen, reason = _dispatch.resolve(_SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths), 3)
+    chosen, reason = _dispatch.resolve(
+        _SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths, _checks.scale_array(scale)), 3
+    )
     xp = chosen.xp
     if is_causal is not False or return_weights is not False:  # the common call skips the checks
         _checks.require_flag(_SDPA, "is_causal", is_causal)
@@ -193,8 +197,9 @@ def choose_chunks(
 def check_attention_inputs(
     operation: str, xp: Any, query: Any, key: Any, value: Any, mask: Any, key_lengths: Any, scale: Any
 ) -> tuple[float, tuple[int, ...], int, int]:
-    """Validate query/key/value/masks; returns the scale as a Python float,
-    the broadcast leading shape, ``n`` and ``m``."""
+    """Validate query/key/value/masks; returns the scale (a Python float, or
+    a 0-d array: :func:`attnx._checks.require_scale`), the broadcast leading
+    shape, ``n`` and ``m``."""
     q_shape, k_shape, v_shape = tuple(query.shape), tuple(key.shape), tuple(value.shape)
     if len(q_shape) < 2 or len(k_shape) < 2 or len(v_shape) < 2:
         _checks.require_ndim(operation, "query", query, 2, "(..., n, d_k)")
@@ -216,7 +221,7 @@ def check_attention_inputs(
         batch_shape = _checks.broadcast(operation, {"query": batch_shape, "key": k_shape[:-2], "value": v_shape[:-2]})
     if mask is not None or key_lengths is not None:
         _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, n, m)
-    return _checks.require_scale(operation, scale, d_k), batch_shape, n, m
+    return _checks.require_scale(operation, xp, scale, d_k, dtype), batch_shape, n, m
 
 
 def sdpa_generic(
@@ -228,7 +233,7 @@ def sdpa_generic(
     mask: Any,
     key_lengths: Any,
     is_causal: bool,
-    scale: float,
+    scale: Any,
     return_weights: bool,
     chunks: tuple[int, int] | None = None,
     batch_shape: tuple[int, ...] | None = None,
@@ -416,7 +421,7 @@ def sdpa_chunked(
     mask: Any,
     key_lengths: Any,
     is_causal: bool,
-    scale: float,
+    scale: Any,
     query_chunk: int,
     key_chunk: int,
     batch_shape: tuple[int, ...] | None = None,

@@ -121,6 +121,19 @@ class Backend:
         """Copy ``array`` to a NumPy array on the host."""
         raise NotImplementedError
 
+    def is_concrete(self, array: Any) -> bool:
+        """Whether ``array``'s values can be read now, cheaply.
+
+        False for arrays being traced (``jax.jit``, ``torch.compile``,
+        vectorizing maps) and for lazy ones (Dask): attnx then skips the checks
+        that need values (``key_lengths`` within ``[0, m]``, a finite
+        ``scale``), since reading them would fail, break the trace or compute
+        the graph.  The default asks :func:`array_api_compat.is_lazy_array`.
+        """
+        from array_api_compat import is_lazy_array
+
+        return not is_lazy_array(array)
+
     def synchronize(self, device: Any = None) -> None:
         """Wait for queued work on ``device`` (for timing); no-op on the CPU."""
 
@@ -141,6 +154,24 @@ class Backend:
         suite uses it to check gradients against finite differences.
         """
         raise NotImplementedError(f"backend {self.name!r} does not support autograd")
+
+    # -- transforms (for the conformance suite) ------------------------------
+    def trace(self, function: Callable[..., Any]) -> Callable[..., Any] | None:
+        """``function`` compiled by the library's tracer (``jax.jit``,
+        ``torch.compile``), or None where the library has none.
+
+        The conformance suite checks that every operation, traced with its
+        array arguments (masks, ``key_lengths``, a 0-d ``scale``) as traced
+        inputs, equals the eager call.
+        """
+        return None
+
+    def vectorize(self, function: Callable[..., Any]) -> Callable[..., Any] | None:
+        """``function`` mapped over the first axis of every argument
+        (``jax.vmap``, ``torch.func.vmap``), or None where the library has no
+        such map.  The conformance suite checks it equals the eager call on
+        the whole batch."""
+        return None
 
     # -- native implementations ---------------------------------------------
     def implementations(self) -> Mapping[str, Callable[..., Any]]:

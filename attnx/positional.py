@@ -50,6 +50,8 @@ def sinusoidal_positions(
     _checks.require_size(op, "num_positions x dim", num_positions, dim)
     base = _positive_base(op, base)
     chosen, reason, device = _dispatch.resolve_creation(op, backend, device)
+    if dtype is not None:
+        dtype = _checks.require_dtype_name(op, chosen.xp, chosen.name, dtype)
     return _dispatch.call(
         op,
         chosen,
@@ -67,7 +69,7 @@ def _positive_base(op: str, base: Any) -> float:
 
 def _sinusoidal_generic(xp: Any, *, num_positions: int, dim: int, base: float, dtype: Any, device: Any) -> Any:
     dtype = _creation_dtype(xp, dtype)
-    compute = getattr(xp, "float64", dtype)
+    compute = _checks.widest_float(xp)
     half = (dim + 1) // 2
     angles = xp.arange(num_positions, dtype=compute, device=device)[:, None] * _frequencies(
         xp, half, dim, base, compute, device
@@ -183,7 +185,8 @@ class LearnedPositions:
             return table[:positions, :]
         if _checks.dtype_kind(xp, positions) != "int":
             raise TypeError(f"LearnedPositions: positions must be integers, got dtype {_checks.dtype_name(positions)}")
-        if xp.any(positions < 0) or xp.any(positions >= count):
+        # Only concrete positions can be read (not traced or lazy ones).
+        if _checks.values_known(positions) and (xp.any(positions < 0) or xp.any(positions >= count)):
             raise ValueError(f"LearnedPositions: positions must lie in [0, {count}), got values outside")
         flat = xp.take(table, xp.reshape(positions, (-1,)), axis=0)
         return xp.reshape(flat, (*positions.shape, table.shape[1]))

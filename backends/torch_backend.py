@@ -68,6 +68,25 @@ class TorchBackend(Backend):
         if torch.cuda.is_initialized():
             torch.cuda.synchronize(device)
 
+    def is_concrete(self, array: Any) -> bool:
+        import torch
+
+        # Under torch.compile tensors are symbolic; under torch.func.vmap a
+        # batched tensor's values can't be read (``.item()`` raises).
+        if torch.compiler.is_compiling():
+            return False
+        return not _is_batched(array)
+
+    def trace(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        import torch
+
+        return torch.compile(function, fullgraph=True, dynamic=False)
+
+    def vectorize(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        import torch
+
+        return torch.func.vmap(function)
+
     def gradients(self, function: Callable[..., Any], arrays: list[Any]) -> list[Any]:
         import torch
 
@@ -89,7 +108,7 @@ def _scaled_dot_product_attention(
     mask: Any,
     key_lengths: Any,
     is_causal: bool,
-    scale: float,
+    scale: Any,
     return_weights: bool,
     chunks: Any = None,
     batch_shape: Any = None,
@@ -106,6 +125,8 @@ def _scaled_dot_product_attention(
         leading = batch_shape or _checks.broadcast("", {"q": leading, "k": k_shape[:-2], "v": v_shape[:-2]})
     if n == 0 or m == 0 or 0 in leading:
         return NotImplemented  # nothing to attend: the generic algorithm's zeros
+    if not isinstance(scale, float):  # a tensor (traced, or with a gradient): fold it into the queries
+        query, scale = query * scale, 1.0
     if mask is None and key_lengths is None and (not is_causal or n == m):
         attn_mask = None  # lets PyTorch pick its fused kernels
     else:
@@ -154,6 +175,14 @@ def _load() -> Any:
     _namespace[:] = [array_api_compat.torch]
     _fused_attention = scaled_dot_product_attention
     return _fused_attention
+
+
+def _is_batched(array: Any) -> bool:
+    try:
+        from torch._C._functorch import is_batchedtensor
+    except ImportError:  # private: where it moves, assume the values can be read
+        return False
+    return is_batchedtensor(array)
 
 
 @hookimpl

@@ -19,14 +19,16 @@ def rounded(data: np.ndarray, be: Any, dtype: str) -> np.ndarray:
     """``data`` as the backend will see it in ``dtype``, back in float64: the
     reference gets the same rounded inputs, so tolerances measure the
     computation, not the input rounding."""
-    return be.numpy(be.array(data, dtype)).astype(np.float64)
+    return be.numpy(be.array(data, be.dtype(dtype))).astype(np.float64)
 
 
 def assert_close(
     actual: Any, expected: np.ndarray, be: Any, dtype: str, *, like: Any = None, scale: float = 1.0
 ) -> None:
-    """``actual`` is ``be``'s array, of ``dtype``, on ``like``'s device, with no
-    NaN, and equal to ``expected`` within the dtype's tolerance."""
+    """``actual`` is ``be``'s array, of ``dtype`` (:meth:`be.dtype`: float64
+    means the widest the backend has), on ``like``'s device, with no NaN, and
+    equal to ``expected`` within the dtype's tolerance."""
+    dtype = be.dtype(dtype)
     assert be.backend.owns(actual), (
         f"result is a {type(actual).__module__}.{type(actual).__name__}, not a {be.name} array"
     )
@@ -40,3 +42,26 @@ def assert_close(
     assert not np.isnan(got).any(), "result has NaN"
     rtol, atol = tolerance(dtype)
     np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol * scale)
+
+
+def tolerances(be: Any, dtype: str = "float64", factor: float = 1.0) -> dict[str, float]:
+    """``rtol``/``atol`` keywords for ``np.testing.assert_allclose`` in
+    ``dtype`` on ``be`` (its widest float dtype where float64 is missing),
+    widened by ``factor``."""
+    rtol, atol = tolerance(be.dtype(dtype))
+    return {"rtol": rtol * factor, "atol": atol * factor}
+
+
+#: Placeholder for :func:`other_float` in tables of cases.
+OTHER_FLOAT = "<a float dtype other than float32>"
+
+
+def other_float(be: Any) -> str:
+    """A float dtype of ``be`` other than float32 (float64 first), for checks
+    that mix dtypes; skips the test where the backend has only float32."""
+    import pytest
+
+    for dtype in ("float64", "float16", "bfloat16"):
+        if dtype in be.dtypes:
+            return dtype
+    pytest.skip(f"{be.name} has no float dtype but float32")

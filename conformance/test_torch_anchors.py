@@ -7,7 +7,7 @@ import pytest
 
 import attnx
 from attnx.attention import sdpa_generic
-from attnx_conformance.helpers import rng
+from attnx_conformance.helpers import rng, tolerances
 
 torch = pytest.importorskip("torch", reason="the anchor tests compare with PyTorch's own functions")
 F = torch.nn.functional
@@ -43,7 +43,7 @@ def test_sdpa_matches_torch(attnx_backend, n, m):
             return_weights=False,
         )
         for got in (ours, generic):
-            np.testing.assert_allclose(be.numpy(got), theirs.numpy(), rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(be.numpy(got), theirs.numpy(), **tolerances(be))
 
     compare(F.scaled_dot_product_attention(t(q), t(k), t(v)))
     compare(

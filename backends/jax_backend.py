@@ -1,0 +1,215 @@
+"""The JAX backend: ``jax.numpy`` arrays on JAX's devices; autograd flows
+through (``jax.grad``), and every operation traces under ``jax.jit`` and
+``jax.vmap``.
+
+float64 is offered only when JAX's x64 mode is on (``JAX_ENABLE_X64=1`` or
+``jax.config.update("jax_enable_x64", True)``): without it JAX silently
+makes float32 arrays of float64 data, and attnx refuses what it can't do
+exactly.
+
+Its native scaled dot-product attention calls ``jax.nn.dot_product_attention``
+where that computes exactly attnx's function: no masks or lengths (JAX gives
+a fully masked row the average of the values, attnx zeros) and a causal mask
+only where both align it alike (``n == m``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from attnx import Backend, hookimpl
+
+
+class JaxBackend(Backend):
+    name = "jax"
+    array_module = "jax"
+    supports_autograd = True
+
+    _natives: Mapping[str, Callable[..., Any]] | None = None
+
+    def unavailable_reason(self) -> str | None:
+        if importlib.util.find_spec("jax") is None:
+            return "jax is not installed (pip install 'attnx[jax]')"
+        return None
+
+    @property
+    def float_dtypes(self) -> tuple[str, ...]:  # type: ignore[override]
+        import jax
+
+        wide = ("float64",) if jax.config.jax_enable_x64 else ()
+        return ("float32", *wide, "float16", "bfloat16")
+
+    def version(self) -> str:
+        from importlib.metadata import version
+
+        return version("jax")
+
+    def devices(self) -> list[Any]:
+        import jax
+
+        return list(jax.devices())
+
+    def namespace(self) -> Any:
+        # jax.numpy implements the array API standard itself (array-api-compat
+        # hands it back unchanged).
+        import jax.numpy
+
+        return jax.numpy
+
+    def owns(self, array: Any) -> bool:
+        # Concrete arrays are ``jaxlib`` types, tracers ``jax._src`` ones: one
+        # isinstance covers both, and needs no import while JAX isn't loaded.
+        if "jax" not in sys.modules:
+            return False
+        import jax
+
+        return isinstance(array, jax.Array)
+
+    def is_concrete(self, array: Any) -> bool:
+        import jax
+
+        # Under ``jax.jit`` even a concrete array closed over by the function
+        # gives traced results: values are known only outside any trace.
+        return not isinstance(array, jax.core.Tracer) and _outside_traces()
+
+    def asarray(self, obj: Any, *, dtype: Any = None, device: Any = None) -> Any:
+        import jax
+        import jax.numpy as jnp
+        import numpy
+
+        if isinstance(dtype, str):
+            dtype = getattr(jnp, dtype)
+        if dtype is not None and jnp.dtype(dtype).itemsize == 8 and not jax.config.jax_enable_x64:
+            # JAX would hand back 32-bit data without a word: refuse instead.
+            raise TypeError(
+                f"the jax backend makes {jnp.dtype(dtype).name} arrays only in x64 mode "
+                "(JAX_ENABLE_X64=1, or jax.config.update('jax_enable_x64', True))"
+            )
+        if (
+            dtype is None
+            and isinstance(obj, numpy.ndarray)
+            and obj.dtype.itemsize == 8
+            and not jax.config.jax_enable_x64
+        ):
+            # JAX would silently make 32-bit arrays: exact for integers that
+            # fit, refused for anything else.
+            fits = obj.dtype.kind in "iu" and (obj.size == 0 or (obj.min() >= -(2**31) and obj.max() < 2**31))
+            if not fits:
+                raise TypeError(
+                    f"the jax backend makes {obj.dtype} arrays only in x64 mode "
+                    "(JAX_ENABLE_X64=1, or jax.config.update('jax_enable_x64', True)); "
+                    "pass dtype='float32' (or 'int32') to convert"
+                )
+        array = jnp.asarray(obj, dtype=dtype)
+        if device is not None:
+            array = jax.device_put(array, self.device(device))
+        return array
+
+    def device(self, device: Any) -> Any:
+        if isinstance(device, str):
+            for candidate in self.devices():
+                if f"{candidate.platform}:{candidate.id}" == device:
+                    return candidate
+        return super().device(device)
+
+    def to_numpy(self, array: Any) -> Any:
+        import jax.numpy as jnp
+        import numpy
+
+        if array.dtype == jnp.bfloat16:  # NumPy has no bfloat16
+            array = array.astype(jnp.float32)
+        return numpy.asarray(array)
+
+    def synchronize(self, device: Any = None) -> None:
+        import jax
+
+        # JAX dispatches asynchronously: wait for every live array's
+        # computation (on ``device``, or everywhere).
+        arrays = jax.live_arrays()
+        if device is not None:
+            device = self.device(device)
+            arrays = [a for a in arrays if device in a.devices()]
+        jax.block_until_ready(arrays)
+
+    def gradients(self, function: Callable[..., Any], arrays: list[Any]) -> list[Any]:
+        import jax
+
+        def total(*xs: Any) -> Any:
+            return function(*xs).sum()
+
+        return list(jax.grad(total, argnums=tuple(range(len(arrays))))(*arrays))
+
+    def trace(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        import jax
+
+        return jax.jit(function)
+
+    def vectorize(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        import jax
+
+        return jax.vmap(function)
+
+    def implementations(self) -> Mapping[str, Callable[..., Any]]:
+        if self._natives is None:
+            self._natives = {"scaled_dot_product_attention": _scaled_dot_product_attention}
+        return self._natives
+
+
+def _scaled_dot_product_attention(
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: Any,
+    return_weights: bool,
+    chunks: Any = None,
+    batch_shape: Any = None,
+) -> Any:
+    # JAX's masked rows differ from attnx's (an average, not zeros), its
+    # causal mask aligns to the start, and it returns no weights: decline all
+    # of those.  Its layout is (batch, n, heads, d), with exactly four axes.
+    if return_weights or mask is not None or key_lengths is not None:
+        return NotImplemented
+    n, m = query.shape[-2], key.shape[-2]
+    if (is_causal and n != m) or n == 0 or m == 0 or query.ndim != 4:
+        return NotImplemented
+    if not tuple(query.shape[:2]) == tuple(key.shape[:2]) == tuple(value.shape[:2]):
+        return NotImplemented
+    if value.shape[-1] != query.shape[-1]:
+        return NotImplemented  # JAX wants d_v == d_k
+    import jax
+    import jax.numpy as jnp
+
+    if query.dtype not in (jnp.float32, jnp.float64):
+        return NotImplemented  # JAX computes half precision in its own dtype, attnx in float32
+    if not isinstance(scale, float):  # an array (traced, perhaps): fold it into the queries
+        query, scale = query * scale, 1.0
+    output = jax.nn.dot_product_attention(
+        jnp.swapaxes(query, 1, 2),
+        jnp.swapaxes(key, 1, 2),
+        jnp.swapaxes(value, 1, 2),
+        scale=scale,
+        is_causal=is_causal,
+    )
+    return jnp.swapaxes(output, 1, 2)
+
+
+def _outside_traces() -> bool:
+    try:
+        from jax._src.core import trace_state_clean
+    except ImportError:  # not public: where it moves, probe whether a new array is traced
+        import jax
+
+        return not isinstance(jax.numpy.zeros(()), jax.core.Tracer)
+    return trace_state_clean()
+
+
+@hookimpl
+def attnx_backends() -> list[Backend]:
+    return [JaxBackend()]
