@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import math
 import numbers
-from functools import lru_cache
 from typing import Any
 
 import array_api_compat
 
 from attnx._registry import registry
 
-#: The device an array lives on, for any array API library.
-device_of = array_api_compat.device
+def device_of(array: Any) -> Any:
+    """The device an array lives on, for any array API library: its
+    ``.device`` (the standard's attribute, read directly so torch.compile
+    traces it without warnings), else array-api-compat's answer."""
+    device = getattr(array, "device", None)
+    return device if device is not None else array_api_compat.device(array)
 
 
 def shape_of(array: Any) -> tuple[int, ...]:
@@ -94,8 +97,21 @@ def require_ndim(operation: str, name: str, array: Any, min_ndim: int, layout: s
         )
 
 
-@lru_cache(maxsize=64)
+_KINDS: dict[tuple[type, Any], str] = {}
+
+
 def _kind(xp: Any, dtype: Any) -> str:
+    # Cached in a plain dict (torch.compile traces through it; an lru_cache it
+    # warns about), keyed with the dtype's type first, so dtypes of two
+    # libraries are never compared with each other (array-api-strict warns).
+    cache_key = (type(dtype), dtype)
+    kind = _KINDS.get(cache_key)
+    if kind is None:
+        kind = _KINDS[cache_key] = _classify(xp, dtype)
+    return kind
+
+
+def _classify(xp: Any, dtype: Any) -> str:
     if xp.isdtype(dtype, "real floating"):
         return "float"
     if xp.isdtype(dtype, "bool"):
@@ -107,18 +123,9 @@ def _kind(xp: Any, dtype: Any) -> str:
     return "other"
 
 
-_FLOAT_DTYPES: dict[tuple[type, Any], bool] = {}
-
-
 def is_float_dtype(xp: Any, dtype: Any) -> bool:
     """Fast, cached: whether ``dtype`` is a real floating dtype."""
-    # Keyed with the dtype's type first, so dtypes of two libraries are never
-    # compared with each other (array-api-strict warns when they are).
-    cache_key = (type(dtype), dtype)
-    known = _FLOAT_DTYPES.get(cache_key)
-    if known is None:
-        known = _FLOAT_DTYPES[cache_key] = _kind(xp, dtype) == "float"
-    return known
+    return _kind(xp, dtype) == "float"
 
 
 def dtype_kind(xp: Any, array: Any) -> str:
@@ -147,7 +154,7 @@ def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]]) -> tuple
     first = shapes[0]
     if all(shape == first for shape in shapes):
         return tuple(first)
-    ndim = max(map(len, shapes), default=0)
+    ndim = max([len(shape) for shape in shapes] + [0])  # no max(default=): torch.compile can't trace it
     result = [1] * ndim
     for shape in shapes:
         for axis, size in enumerate(shape, start=ndim - len(shape)):

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 from attnx._registry import registry
+from attnx._tracing import run_at_trace_time
 from attnx.backend import Backend
 
 #: Environment variable naming the default backend.
@@ -79,6 +80,7 @@ def memory_budget(nbytes: int) -> Iterator[None]:
         _context_budget.reset(token)
 
 
+@run_at_trace_time
 def get_memory_budget() -> int:
     """The memory budget in force, in bytes."""
     return _context_budget.get() or _process_budget or DEFAULT_MEMORY_BUDGET
@@ -90,6 +92,7 @@ def _budget(nbytes: int) -> int:
     return nbytes
 
 
+@run_at_trace_time
 def chosen_backend_name() -> tuple[str | None, str]:
     """The backend the user chose (not the default), and how."""
     name = _context_backend.get()

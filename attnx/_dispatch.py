@@ -15,6 +15,7 @@ from typing import Any
 
 from attnx._config import chosen_backend_name, current_backend
 from attnx._registry import registry
+from attnx._tracing import run_at_trace_time
 from attnx.backend import Backend
 
 logger = logging.getLogger("attnx")
@@ -129,12 +130,15 @@ def call(
     if native is not None:
         result = native(**arguments)
         if result is not NotImplemented:
-            if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("%s: backend %r (%s), native", operation, backend.name, reason)
+            _log_choice(operation, backend.name, reason, "native")
             return result
-    if logger.isEnabledFor(logging.DEBUG):
-        declined = ", native declined" if native is not None else ""
-        logger.debug("%s: backend %r (%s), generic%s", operation, backend.name, reason, declined)
+    _log_choice(operation, backend.name, reason, "generic, native declined" if native is not None else "generic")
     if generic_options:
         return generic(backend.xp, **arguments, **generic_options)
     return generic(backend.xp, **arguments)
+
+
+@run_at_trace_time  # logging can't be traced: torch.compile logs the choice once, while compiling
+def _log_choice(operation: str, backend_name: str, reason: str, path: str) -> None:
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s: backend %r (%s), %s", operation, backend_name, reason, path)

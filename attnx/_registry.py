@@ -12,6 +12,7 @@ from typing import Any
 import pluggy
 
 from attnx import hookspecs
+from attnx._tracing import run_at_trace_time
 from attnx.backend import Backend, device_label
 from attnx.errors import BackendUnavailableError, PluginError, PluginWarning
 
@@ -79,6 +80,7 @@ class Registry:
         self._lock = threading.RLock()
 
     # -- loading ------------------------------------------------------------
+    @run_at_trace_time
     def _ensure_loaded(self) -> None:
         if self._loaded:
             return
