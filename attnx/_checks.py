@@ -15,6 +15,7 @@ import array_api_compat
 
 from attnx._registry import registry
 
+
 def device_of(array: Any) -> Any:
     """The device an array lives on, for any array API library: its
     ``.device`` (the standard's attribute, read directly so torch.compile
