@@ -1,0 +1,221 @@
+"""attnx under the transforms of JAX and PyTorch, written as their users write them.
+
+The conformance suite checks traced and vectorized calls on every backend
+(``conformance/test_transforms.py``); these tests are the user's view:
+``jax.jit``/``vmap``/``grad`` with arguments and closures, several host
+devices, ``torch.compile(fullgraph=True)`` with the default compiler,
+``torch.func.vmap``/``grad``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import attnx
+from attnx._tracing import DYNAMO_CONSTANT_MARK
+
+
+def _reference(q, k, v, allowed, scale):
+    """float64 softmax(q k^T s) v with a boolean mask; zeros where nothing is allowed."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    scores = np.where(allowed, q @ np.swapaxes(k, -1, -2) * scale, -np.inf)
+    top = scores.max(-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    total = weights.sum(-1, keepdims=True)
+    return (weights / np.where(total == 0, 1.0, total)) @ v
+
+
+def _inputs(batch=2, heads=3, n=6, m=6, d=4, seed=0):
+    gen = np.random.default_rng(seed)
+    q = gen.standard_normal((batch, heads, n, d)).astype(np.float32)
+    k = gen.standard_normal((batch, heads, m, d)).astype(np.float32)
+    v = gen.standard_normal((batch, heads, m, d)).astype(np.float32)
+    lengths = np.array([m, 2, 0, 5][:batch], dtype=np.int32)
+    causal = np.arange(m)[None, :] <= np.arange(n)[:, None] + (m - n)
+    allowed = causal & (np.arange(m) < lengths[:, None, None, None])
+    return q, k, v, lengths, allowed
+
+
+# -- JAX ------------------------------------------------------------------
+
+
+@pytest.fixture
+def jax():
+    return pytest.importorskip("jax", reason="the JAX tests need jax (pip install 'attnx[jax]')")
+
+
+def test_jit_with_lengths_and_scale_as_arguments(jax):
+    jnp = jax.numpy
+    q, k, v, lengths, allowed = _inputs()
+
+    @jax.jit
+    def attend(q, k, v, key_lengths, scale):
+        return attnx.scaled_dot_product_attention(q, k, v, key_lengths=key_lengths, scale=scale, is_causal=True)
+
+    out = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), jnp.asarray(0.3))
+    assert isinstance(out, jax.Array) and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), _reference(q, k, v, allowed, 0.3), rtol=2e-5, atol=2e-6)
+
+
+def test_jit_closing_over_keys_values_and_lengths(jax):
+    jnp = jax.numpy
+    q, k, v, lengths, allowed = _inputs(n=3)
+    keys, values, key_lengths = jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths)
+    attend = jax.jit(lambda q: attnx.scaled_dot_product_attention(q, keys, values, key_lengths=key_lengths))
+    out = attend(jnp.asarray(q))
+    lengths_only = np.arange(6) < lengths[:, None, None, None]
+    np.testing.assert_allclose(
+        np.asarray(out), _reference(q, k, v, np.broadcast_to(lengths_only, (2, 3, 3, 6)), 0.5), rtol=2e-5, atol=2e-6
+    )
+
+
+def test_jit_chunked_path_plans_from_shapes(jax):
+    """With a small memory budget the chunked algorithm runs under jit too."""
+    jnp = jax.numpy
+    q, k, v, lengths, allowed = _inputs(n=40, m=40, seed=1)
+    with attnx.memory_budget(256):
+        attend = jax.jit(
+            lambda q, k, v, lengths: attnx.scaled_dot_product_attention(
+                q, k, v, key_lengths=lengths, is_causal=True
+            )
+        )
+        out = attend(*(jnp.asarray(a) for a in (q, k, v, lengths)))
+    np.testing.assert_allclose(np.asarray(out), _reference(q, k, v, allowed, 0.5), rtol=2e-5, atol=2e-6)
+
+
+def test_vmap_over_examples_with_their_own_lengths(jax):
+    jnp = jax.numpy
+    q, k, v, lengths, allowed = _inputs(batch=4)
+    per_example = jax.vmap(
+        lambda q, k, v, length: attnx.scaled_dot_product_attention(q, k, v, key_lengths=length, is_causal=True)
+    )
+    out = per_example(*(jnp.asarray(a) for a in (q, k, v, lengths)))
+    np.testing.assert_allclose(np.asarray(out), _reference(q, k, v, allowed, 0.5), rtol=2e-5, atol=2e-6)
+
+
+def test_grad_reaches_inputs_and_scale(jax):
+    jnp = jax.numpy
+    q, k, v, lengths, _ = _inputs()
+
+    def loss(q, k, v, scale):
+        out = attnx.scaled_dot_product_attention(q, k, v, key_lengths=jnp.asarray(lengths), scale=scale)
+        return (out**2).sum()
+
+    args = [jnp.asarray(a, dtype=jnp.float32) for a in (q, k, v)] + [jnp.asarray(0.4)]
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    step = 1e-2
+    plus = loss(*args[:3], args[3] + step)
+    minus = loss(*args[:3], args[3] - step)
+    assert float(grads[3]) == pytest.approx(float((plus - minus) / (2 * step)), rel=1e-2)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+def test_jax_float64_only_in_x64_mode(jax):
+    if jax.config.jax_enable_x64:
+        pytest.skip("x64 mode is on in this process")
+    with pytest.raises(TypeError, match="float64.*x64"):
+        attnx.asarray(np.ones(3), backend="jax")
+    with pytest.raises(TypeError, match="float64 is not available on the 'jax' backend"):
+        attnx.asarray(np.ones(3), backend="jax", dtype="float64")
+    assert "float64" not in attnx._registry.get("jax").float_dtypes
+
+
+def test_jit_on_a_host_with_two_devices(jax):
+    """Arrays made outside a jitted function, on a host with several devices."""
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, numpy as np, attnx
+        assert len(jax.devices()) == 2, jax.devices()
+        gen = np.random.default_rng(0)
+        q, k, v = (jnp.asarray(gen.standard_normal((2, 4, 3)), dtype=jnp.float32) for _ in range(3))
+        mask = jnp.asarray(gen.random((4, 4)) < 0.7)
+        eager = attnx.scaled_dot_product_attention(q, k, v, mask=mask)
+        jitted = jax.jit(lambda q: attnx.scaled_dot_product_attention(q, k, v, mask=mask))(q)
+        np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-5, atol=1e-6)
+        other = jax.device_put(k, jax.devices()[1])
+        try:
+            attnx.scaled_dot_product_attention(q, other, v)
+        except ValueError as error:
+            assert "two devices" in str(error), error
+        else:
+            raise AssertionError("arrays on two devices were accepted")
+        print("ok")
+        """
+    )
+    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+# -- PyTorch --------------------------------------------------------------
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch", reason="the PyTorch tests need torch")
+
+
+def test_torch_compile_fullgraph_sdpa_with_masks(torch):
+    q, k, v, lengths, allowed = _inputs()
+    gen = np.random.default_rng(3)
+    task = gen.random((6, 6)) < 0.8
+
+    @torch.compile(fullgraph=True)
+    def attend(q, k, v, mask, key_lengths, scale):
+        return attnx.scaled_dot_product_attention(
+            q, k, v, mask=mask, key_lengths=key_lengths, is_causal=True, scale=scale
+        )
+
+    tensors = [torch.from_numpy(a) for a in (q, k, v)]
+    out = attend(*tensors, torch.from_numpy(task), torch.from_numpy(lengths).long(), torch.tensor(0.3))
+    np.testing.assert_allclose(out.numpy(), _reference(q, k, v, allowed & task, 0.3), rtol=2e-5, atol=2e-6)
+
+
+def test_torch_compile_fullgraph_multi_head_attention(torch):
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    lengths = torch.tensor([5, 3])
+    params = attnx.init_multi_head_params(8, 2, seed=0, backend="torch")
+
+    def layer(x, lengths):
+        return attnx.multi_head_attention(x, x, x, params, num_heads=2, key_lengths=lengths, is_causal=True)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(x, lengths), layer(x, lengths), rtol=2e-5, atol=2e-6)
+
+
+def test_torch_func_vmap_and_grad(torch):
+    q, k, v, lengths, allowed = _inputs(batch=4)
+    q, k, v = (torch.from_numpy(a).double() for a in (q, k, v))
+    scales = torch.tensor([0.3, 0.5, 0.7, 1.1], dtype=torch.float64)
+
+    def attend(q, k, v, length, scale):
+        return attnx.scaled_dot_product_attention(q, k, v, key_lengths=length, scale=scale, is_causal=True)
+
+    out = torch.func.vmap(attend)(q, k, v, torch.from_numpy(lengths).long(), scales)
+    for i in range(4):
+        expected = _reference(q[i].numpy(), k[i].numpy(), v[i].numpy(), allowed[i], float(scales[i]))
+        np.testing.assert_allclose(out[i].numpy(), expected, rtol=1e-10, atol=1e-12)
+    # A tensor scale keeps its gradient (it used to go through float() and lose it).
+    length = torch.tensor(lengths[0]).long()
+    grad = torch.func.grad(lambda s: attend(q[0], k[0], v[0], length, s).square().sum())(scales[0])
+    leaf = scales[0].clone().requires_grad_(True)
+    attend(q[0], k[0], v[0], length, leaf).square().sum().backward()
+    assert grad.item() != 0.0 and grad.item() == pytest.approx(leaf.grad.item(), rel=1e-12)
+
+
+def test_trace_time_mark_is_torchs_own(torch):
+    """attnx marks its bookkeeping for dynamo without importing torch: the mark
+    must stay the one ``torch.compiler.assume_constant_result`` sets."""
+
+    def function():
+        return 1
+
+    torch.compiler.assume_constant_result(function)
+    assert getattr(function, DYNAMO_CONSTANT_MARK, False) is True
