@@ -13,7 +13,8 @@ a hook on its memory pool counts what the call takes from it.
 The report compares, for each size, attnx on each backend with the
 baselines a user would otherwise pick, measured in the same run: PyTorch's
 ``scaled_dot_product_attention`` called directly, the textbook NumPy version,
-and ``jax.nn.dot_product_attention`` under ``jit`` (when JAX is installed).  FLOPs counted: ``4 * batch * heads * n * m * d`` for attention
+and ``jax.nn.dot_product_attention`` under ``jit`` (when JAX is installed;
+attnx on JAX is jitted too, as JAX's users run it).  FLOPs counted: ``4 * batch * heads * n * m * d`` for attention
 (two matrix products), halved for causal masks.
 """
 
@@ -174,19 +175,35 @@ def _callable(case: Case) -> tuple[Callable[[], Any], Callable[[], None]]:
         return (lambda: fused(q, k, v, is_causal=causal)), sync
     import attnx
 
-    if case.operation in ("sdpa", "sdpa_causal"):
-        return (lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=causal)), sync
     backend = _library(case)
+    if case.operation in ("sdpa", "sdpa_causal"):
+        return _as_users_run(
+            backend, lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, is_causal=causal), q, k, v
+        ), sync
     d_model = case.heads * case.head_dim
     x = attnx.asarray(attnx.to_numpy(q).transpose(0, 2, 1, 3).reshape(case.batch, case.n, d_model), backend=backend)
     if case.operation == "multi_head_attention":
         params = attnx.init_multi_head_params(d_model, case.heads, dtype=case.dtype, backend=backend)
-        return (lambda: attnx.multi_head_attention(x, x, x, params, num_heads=case.heads)), sync
+        return _as_users_run(
+            backend, lambda x: attnx.multi_head_attention(x, x, x, params, num_heads=case.heads), x
+        ), sync
     if case.operation == "additive_attention":
         params = attnx.init_multi_head_params(d_model, 1, d_k=case.head_dim, dtype=case.dtype, backend=backend)
         additive = {"w_q": params["w_q"], "w_k": params["w_k"], "w_v": params["b_q"] + 0.1}
-        return (lambda: attnx.additive_attention(x, x, x, additive)), sync
+        return _as_users_run(backend, lambda x: attnx.additive_attention(x, x, x, additive), x), sync
     raise ValueError(f"unknown operation {case.operation!r}; choose from {OPERATIONS}")
+
+
+def _as_users_run(backend: str, function: Callable[..., Any], *arrays: Any) -> Callable[[], Any]:
+    """A call of ``function(*arrays)`` as the library's users run it: JAX's
+    under ``jax.jit``, waited for with ``block_until_ready`` (its dispatch is
+    asynchronous); the others eagerly."""
+    if backend == "jax":
+        import jax
+
+        jitted = jax.jit(function)
+        return lambda: jitted(*arrays).block_until_ready()
+    return lambda: function(*arrays)
 
 
 def _rss_kib(field_name: str) -> int:

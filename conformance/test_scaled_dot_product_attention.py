@@ -163,6 +163,22 @@ def test_native_override_equals_generic(attnx_backend):
             return_weights=False,
         )
         assert_close(native, be.numpy(generic), be, "float64")
+    # The layout fused kernels take: (batch, heads, n, d) alike for all three.
+    (q, k, v), _ = make_inputs(be, "float64", (2, 3), (2, 3), 6, 6, 4, 4)
+    for is_causal in (False, True):
+        native = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        generic = sdpa_generic(
+            be.xp,
+            query=q,
+            key=k,
+            value=v,
+            mask=None,
+            key_lengths=None,
+            is_causal=is_causal,
+            scale=0.5,
+            return_weights=False,
+        )
+        assert_close(native, be.numpy(generic), be, "float64")
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -219,3 +219,26 @@ def test_trace_time_mark_is_torchs_own(torch):
 
     torch.compiler.assume_constant_result(function)
     assert getattr(function, DYNAMO_CONSTANT_MARK, False) is True
+
+
+def test_jax_native_equals_generic_where_it_routes(jax, monkeypatch):
+    """On accelerators the JAX backend routes to ``jax.nn.dot_product_attention``;
+    allowed on the CPU for this test, it must run and equal attnx's algorithm."""
+    from attnx.attention import sdpa_generic
+    from attnx_backends import jax_backend
+
+    jnp = jax.numpy
+    q, k, v, _, _ = _inputs()
+    arrays = [jnp.asarray(a) for a in (q, k, v)]
+    monkeypatch.setattr(jax_backend, "NATIVE_PLATFORMS", frozenset({"cpu"}))
+    for is_causal in (False, True):
+        arguments = dict(mask=None, key_lengths=None, is_causal=is_causal, scale=0.5, return_weights=False)
+        native = jax_backend._scaled_dot_product_attention(query=arrays[0], key=arrays[1], value=arrays[2], **arguments)
+        assert native is not NotImplemented
+        generic = sdpa_generic(jnp, query=arrays[0], key=arrays[1], value=arrays[2], **arguments)
+        np.testing.assert_allclose(np.asarray(native), np.asarray(generic), rtol=2e-5, atol=2e-6)
+        # what attnx declines to hand it: a mask (JAX averages fully masked rows)
+        masked = jax_backend._scaled_dot_product_attention(
+            query=arrays[0], key=arrays[1], value=arrays[2], **{**arguments, "mask": jnp.ones((6, 6), bool)}
+        )
+        assert masked is NotImplemented
