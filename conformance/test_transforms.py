@@ -173,7 +173,8 @@ def test_traced_operation_equals_eager(attnx_backend, operation):
     _same(be, traced, be.numpy(eager))
 
 
-def test_vectorized_sdpa_equals_a_loop(attnx_backend):
+@pytest.mark.parametrize("chunk_size", [None, (2, 3)], ids=["plain", "chunked"])
+def test_vectorized_sdpa_equals_a_loop(attnx_backend, chunk_size):
     """Each example with its own mask, key lengths and scale."""
     be = attnx_backend
     dtype = be.dtype("float64")
@@ -182,7 +183,7 @@ def test_vectorized_sdpa_equals_a_loop(attnx_backend):
 
     def attend(query, key, value, mask, key_lengths, scale):
         return attnx.scaled_dot_product_attention(
-            query, key, value, mask=mask, key_lengths=key_lengths, scale=scale, is_causal=True
+            query, key, value, mask=mask, key_lengths=key_lengths, scale=scale, is_causal=True, chunk_size=chunk_size
         )
 
     args = [be.array(data[name], dtype) for name in ("query", "key", "value")]
