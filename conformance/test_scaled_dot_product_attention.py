@@ -147,9 +147,14 @@ def test_native_override_equals_generic(attnx_backend):
     be = attnx_backend
     if "scaled_dot_product_attention" not in be.backend.implementations():
         pytest.skip(f"{be.name} has no native scaled_dot_product_attention")
-    (q, k, v), _ = make_inputs(be, "float64", (2, 4), (2, 1), 5, 7, 8, 3)
     lengths = be.array(np.array([7, 3]))
-    for kwargs in ({}, {"is_causal": True}, {"key_lengths": lengths, "is_causal": True}):
+    broadcast_heads = make_inputs(be, "float64", (2, 4), (2, 1), 5, 7, 8, 3)[0]
+    fused_layout = make_inputs(be, "float64", (2, 3), (2, 3), 6, 6, 4, 4)[0]  # what fused kernels take
+    calls = [
+        (broadcast_heads, kwargs) for kwargs in ({}, {"is_causal": True}, {"key_lengths": lengths, "is_causal": True})
+    ]
+    calls += [(fused_layout, {"is_causal": is_causal}) for is_causal in (False, True)]
+    for (q, k, v), kwargs in calls:
         native = attnx.scaled_dot_product_attention(q, k, v, scale=0.5, **kwargs)
         generic = sdpa_generic(
             be.xp,
@@ -159,22 +164,6 @@ def test_native_override_equals_generic(attnx_backend):
             mask=None,
             key_lengths=kwargs.get("key_lengths"),
             is_causal=kwargs.get("is_causal", False),
-            scale=0.5,
-            return_weights=False,
-        )
-        assert_close(native, be.numpy(generic), be, "float64")
-    # The layout fused kernels take: (batch, heads, n, d) alike for all three.
-    (q, k, v), _ = make_inputs(be, "float64", (2, 3), (2, 3), 6, 6, 4, 4)
-    for is_causal in (False, True):
-        native = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-        generic = sdpa_generic(
-            be.xp,
-            query=q,
-            key=k,
-            value=v,
-            mask=None,
-            key_lengths=None,
-            is_causal=is_causal,
             scale=0.5,
             return_weights=False,
         )
