@@ -242,3 +242,12 @@ def test_jax_native_equals_generic_where_it_routes(jax, monkeypatch):
             query=arrays[0], key=arrays[1], value=arrays[2], **{**arguments, "mask": jnp.ones((6, 6), bool)}
         )
         assert masked is NotImplemented
+
+
+def test_jax_synchronize_waits_for_queued_work(jax):
+    backend = attnx._registry.get("jax")
+    x = jax.numpy.ones((1024, 1024))
+    results = [x @ x for _ in range(4)]  # dispatched asynchronously
+    backend.synchronize()
+    assert all(result.is_ready() for result in results)
+    backend.synchronize("cpu:0")  # a device as `attnx backends` lists it
