@@ -116,7 +116,9 @@ def _family(be, dtype):
     tracer gets), with its arguments."""
     gen = rng(91)
     x = be.array(gen.standard_normal((2, 5, 8)), dtype)
-    mha_params = attnx.init_multi_head_params(8, 2, num_kv_heads=1, seed=1, dtype=dtype, backend=be.name)
+    mha_params = attnx.init_multi_head_params(
+        8, 2, num_kv_heads=1, seed=1, dtype=dtype, backend=be.name, device=be.device
+    )
     add_params = {
         "w_q": be.array(gen.standard_normal((8, 6)), dtype),
         "w_k": be.array(gen.standard_normal((8, 6)), dtype),

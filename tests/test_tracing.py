@@ -81,9 +81,7 @@ def test_jit_chunked_path_plans_from_shapes(jax):
     q, k, v, lengths, allowed = _inputs(n=40, m=40, seed=1)
     with attnx.memory_budget(256):
         attend = jax.jit(
-            lambda q, k, v, lengths: attnx.scaled_dot_product_attention(
-                q, k, v, key_lengths=lengths, is_causal=True
-            )
+            lambda q, k, v, lengths: attnx.scaled_dot_product_attention(q, k, v, key_lengths=lengths, is_causal=True)
         )
         out = attend(*(jnp.asarray(a) for a in (q, k, v, lengths)))
     np.testing.assert_allclose(np.asarray(out), _reference(q, k, v, allowed, 0.5), rtol=2e-5, atol=2e-6)
