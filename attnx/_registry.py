@@ -215,7 +215,7 @@ class Registry:
     def is_concrete(self, array: Any) -> bool:
         """Whether ``array``'s values can be read now (its owner's
         :meth:`~attnx.Backend.is_concrete`): not while it is traced or lazy."""
-        owner = self._type_owners.get(type(array)) or self.owner_of(array)
+        owner = self.owner_of(array)
         return owner is None or owner.is_concrete(array)
 
     def is_shared(self, kind: type) -> bool:

@@ -41,7 +41,7 @@ def check_gradients(be, operation, arrays, **kwargs):
     if dtype not in FINITE_DIFFERENCES:
         pytest.skip(f"{be.name}'s widest float dtype, {dtype}, is too coarse for finite differences")
     eps, rtol, atol = FINITE_DIFFERENCES[dtype]
-    arrays = [np.asarray(be.numpy(be.array(a, dtype)), dtype=np.float64) for a in arrays]  # as the backend rounds them
+    arrays = [rounded(a, be, dtype) for a in arrays]  # as the backend rounds them
 
     def on_backend(*xs):
         return operation(*xs, **kwargs)
