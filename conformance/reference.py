@@ -117,11 +117,14 @@ def multi_head_attention(
     if allowed is not None and extra:
         allowed = np.concatenate([allowed, np.ones((*allowed.shape[:-1], extra), dtype=bool)], axis=-1)
     d_k, d_v = q.shape[-1] // h, v.shape[-1] // h_kv
+    # A per-head mask has the inputs' broadcast leading dimensions, then (h, n, m):
+    # counted from all three inputs, as key or value may have more than query.
+    per_head_ndim = max(query.ndim, key.ndim, value.ndim) - 2 + 3
     heads, weights = [], []
     for i in range(h):
         j = i // (h // h_kv)
         head_allowed = allowed
-        if allowed is not None and allowed.ndim >= 3 and allowed.shape[-3] == h and allowed.ndim == query.ndim + 1:
+        if allowed is not None and allowed.ndim == per_head_ndim and allowed.shape[-3] == h:
             head_allowed = allowed[..., i, :, :]
         out, w = scaled_dot_product_attention(
             q[..., i * d_k : (i + 1) * d_k],
