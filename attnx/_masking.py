@@ -185,6 +185,25 @@ def lengths_mask(
     return positions < lengths
 
 
+def batch_block(array: Any, batch_ndim: int, core_ndim: int, batch: Span) -> Any:
+    """The entries ``batch`` of the first batch axis of an array whose
+    trailing ``core_ndim`` axes follow ``batch_ndim`` batch axes, aligned to
+    the right as broadcasting aligns them (an array without that axis, or
+    with size 1 there, broadcasts: it comes back whole)."""
+    axis = array.ndim - core_ndim - batch_ndim
+    if axis < 0 or array.shape[axis] == 1:
+        return array
+    return array[(slice(None),) * axis + (slice(*batch), ...)]
+
+
+def lengths_batch_block(key_lengths: Any, batch_shape: tuple[int, ...], n: int, batch: Span) -> Any:
+    """``key_lengths`` for the entries ``batch`` of the first batch axis."""
+    layout = _lengths_layout(shape_of(key_lengths), batch_shape, n)
+    if layout == "batch_first":
+        return key_lengths[batch[0] : batch[1]]
+    return batch_block(key_lengths, len(batch_shape), 1 if layout == "per_query" else 0, batch)
+
+
 def block(mask: Any, rows: Span | None, cols: Span | None) -> Any:
     """The ``rows x cols`` block of a mask broadcastable to ``(..., n, m)``."""
     if rows is not None and mask.shape[-2] != 1:

@@ -114,26 +114,31 @@ def scaled_dot_product_attention(
             "chunks": chunks,
             "batch_shape": batch_shape,
         },
-        {"map_blocks": chosen.map_blocks} if chunks is not None else None,
+        {"map_blocks": chosen.map_blocks, "concurrent_blocks": chosen.concurrent_blocks}
+        if chunks is not None
+        else None,
     )
 
 
 #: Target size of one block of scores in the chunked algorithm, in bytes:
 #: small enough to stay in cache, large enough for efficient matrix products.
+#: The memory budget caps it, and blocks run at once share it.
 BLOCK_BYTES = 4 * 2**20
 #: Keys per block (Rabe and Staats use 4096).
 KEY_CHUNK = 4096
-#: Queries per head and block worth keeping for efficient matrix products.
-MIN_ROWS = 128
-#: Query rows per causal block, at least (a block's products waste up to its own square).
-MIN_CAUSAL_ROWS = 64
+#: Query rows per block, at least: below 64 rows a (rows x 64) @ (64 x 512)
+#: float32 product on one core loses a fifth of its speed or more (measured
+#: on an AMD EPYC with AVX2 and OpenBLAS: 78-86 GFLOP/s from 64 rows up, 67
+#: at 32, 46 at 16), so blocks shrink in keys and slices before in rows.
+MIN_ROWS = 64
+#: Query rows per causal block, at most, as a fraction of n: thinner blocks
+#: skip more of the future (a block computes up to its own square in vain).
+CAUSAL_BLOCKS = 8
 #: Scores (elements) from which a backend that runs blocks concurrently gets
 #: the chunked algorithm within the memory budget too: below, threads cost
 #: more than they save (measured on NumPy, 2 cores: 1.3x faster at 8 x 128 x
 #: 128 scores, 1.7x at 8 x 256 x 256, 2x slower at 8 x 64 x 64).
 PARALLEL_SCORES = 2**17
-#: Query rows per block, at least, when blocks are split among workers.
-MIN_PARALLEL_ROWS = 64
 
 
 def choose_chunks(
@@ -148,10 +153,15 @@ def choose_chunks(
     concurrent_blocks: int = 1,
 ) -> tuple[int, int] | None:
     """``(query_chunk, key_chunk)`` for the chunked algorithm on ``n`` queries
-    and ``m`` keys of ``dtype``, or None for the plain one: ``chunk_size`` if
-    given, else chunks when the scores would exceed the memory budget, or
-    when ``concurrent_blocks`` workers can share them (at least
-    :data:`PARALLEL_SCORES` scores, two blocks of :data:`MIN_PARALLEL_ROWS`)."""
+    and ``m`` keys of ``dtype`` in each (batch, head) slice, or None for the
+    plain algorithm: ``chunk_size`` if given, else chunks when the scores of
+    all slices would exceed the memory budget, or when ``concurrent_blocks``
+    workers can share them (at least :data:`PARALLEL_SCORES` scores).
+
+    The plan is per slice: a block's scores are ``query_chunk x key_chunk``
+    for each slice it holds, and :func:`slices_per_block` says how many
+    slices one block holds.
+    """
     if chunk_size is not None:
         if return_weights:
             raise ValueError(
@@ -166,32 +176,49 @@ def choose_chunks(
         return min(query_chunk, max(n, 1)), min(key_chunk, max(m, 1))
     if return_weights:
         return None
-    leading = 1
-    for size in batch_shape:
-        leading *= size
-    scores = leading * n * m
-    shared = concurrent_blocks > 1 and n >= 2 * MIN_PARALLEL_ROWS and scores >= PARALLEL_SCORES
+    scores = _slices(batch_shape) * n * m
+    shared = concurrent_blocks > 1 and scores >= PARALLEL_SCORES
     budget = get_memory_budget()
     if scores * 8 <= budget and not shared:  # fits even in float64: the common, cheap case
         return None
-    itemsize = 4 if _checks.accumulation_dtype(xp, dtype) == xp.float32 else 8
+    itemsize = _itemsize(xp, dtype)
     if scores * itemsize <= budget and not shared:
         return None
+    block_bytes = _block_bytes(budget, concurrent_blocks)
+    # One slice's block of about block_bytes; keys give way before rows do.
     key_chunk = min(m, KEY_CHUNK)
-    block_bytes = BLOCK_BYTES // max(1, concurrent_blocks)  # blocks in flight share the block size
-    # Blocks of about BLOCK_BYTES, but at least MIN_ROWS queries per head when
-    # that stays within 4 * BLOCK_BYTES: thin blocks make inefficient matrix products.
-    rows = block_bytes // (itemsize * leading * key_chunk)
-    while rows < MIN_ROWS and key_chunk > 512 and leading * MIN_ROWS * key_chunk * itemsize > 4 * block_bytes:
+    while key_chunk > 512 and block_bytes // (itemsize * key_chunk) < MIN_ROWS:
         key_chunk //= 2
-        rows = block_bytes // (itemsize * leading * key_chunk)
-    if rows < MIN_ROWS and leading * MIN_ROWS * key_chunk * itemsize <= 4 * block_bytes:
-        rows = MIN_ROWS
-    if is_causal:  # thinner query blocks skip more of the future: about half the work
-        rows = min(rows, max(MIN_CAUSAL_ROWS, n // 8))
-    if concurrent_blocks > 1:  # a block for every worker
-        rows = min(rows, max(MIN_PARALLEL_ROWS, -(-n // concurrent_blocks)))
-    return max(1, min(n, rows)), key_chunk
+    rows = max(MIN_ROWS, block_bytes // (itemsize * key_chunk))
+    if is_causal:
+        rows = min(rows, max(MIN_ROWS, n // CAUSAL_BLOCKS))
+    if concurrent_blocks > 1:  # a block for every worker, even with one slice
+        rows = min(rows, max(MIN_ROWS, -(-n // concurrent_blocks)))
+    return min(n, rows), key_chunk
+
+
+def slices_per_block(xp: Any, dtype: Any, chunks: tuple[int, int], slices: int, concurrent_blocks: int = 1) -> int:
+    """How many (batch, head) slices one block of the chunked algorithm holds:
+    as many as keep its scores within the block size (the memory budget
+    shared by ``concurrent_blocks`` blocks in flight)."""
+    query_chunk, key_chunk = chunks
+    fit = _block_bytes(get_memory_budget(), concurrent_blocks) // (_itemsize(xp, dtype) * query_chunk * key_chunk)
+    return max(1, min(slices, fit))
+
+
+def _block_bytes(budget: int, concurrent_blocks: int) -> int:
+    return min(BLOCK_BYTES, budget) // max(1, concurrent_blocks)
+
+
+def _itemsize(xp: Any, dtype: Any) -> int:
+    return 4 if _checks.accumulation_dtype(xp, dtype) == xp.float32 else 8
+
+
+def _slices(batch_shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in batch_shape:
+        count *= size
+    return count
 
 
 def check_attention_inputs(
@@ -238,6 +265,7 @@ def sdpa_generic(
     chunks: tuple[int, int] | None = None,
     batch_shape: tuple[int, ...] | None = None,
     map_blocks: Callable[..., list[Any]] | None = None,
+    concurrent_blocks: int = 1,
 ) -> Any:
     """The generic algorithm, array API only (inputs already validated)."""
     n, m = query.shape[-2], key.shape[-2]
@@ -257,6 +285,7 @@ def sdpa_generic(
             key_chunk=chunks[1],
             batch_shape=batch_shape,
             map_blocks=map_blocks,
+            concurrent_blocks=concurrent_blocks,
         )
     dtype = query.dtype
     compute = _checks.accumulation_dtype(xp, dtype)
@@ -426,6 +455,7 @@ def sdpa_chunked(
     key_chunk: int,
     batch_shape: tuple[int, ...] | None = None,
     map_blocks: Callable[..., list[Any]] | None = None,
+    concurrent_blocks: int = 1,
 ) -> Any:
     """Memory-efficient attention (Rabe and Staats 2021; the FlashAttention
     recurrence), array API only.
@@ -437,15 +467,63 @@ def sdpa_chunked(
     blocks that lie wholly in a query block's future are never visited.
     The weights are not materialised.  Query blocks are independent: they
     go through ``map_blocks`` (the backend's :meth:`~attnx.Backend.map_blocks`),
-    which may run them concurrently.
+    which may run them concurrently.  The chunks are per (batch, head)
+    slice: a block holds as many slices as :func:`slices_per_block` allows,
+    the batch is split into groups of them.
     """
+    if batch_shape is None:
+        batch_shape = _checks.leading_shape(query, key, value)
+    batch_shape = tuple(batch_shape)
+    slices = _slices(batch_shape)
+    fit = slices_per_block(xp, query.dtype, (query_chunk, key_chunk), slices, concurrent_blocks)
+    if fit >= slices or not batch_shape:
+        return _sdpa_chunked_slices(
+            xp, query, key, value, mask, key_lengths, is_causal, scale, query_chunk, key_chunk, batch_shape, map_blocks
+        )
+    # Too many slices for one block: split the first batch axis, and where
+    # one entry of it still holds too many slices (many heads), the rows.
+    per_entry = slices // batch_shape[0]
+    group = max(1, fit // per_entry)
+    if fit < per_entry:
+        query_chunk = max(1, query_chunk * fit // per_entry)
+    ndim = len(batch_shape)
+    parts = []
+    for start in range(0, batch_shape[0], group):
+        span = (start, min(batch_shape[0], start + group))
+        q, k, v = (_masking.batch_block(a, ndim, 2, span) for a in (query, key, value))
+        block_mask = None if mask is None else _masking.batch_block(mask, ndim, 2, span)
+        lengths = (
+            None if key_lengths is None else _masking.lengths_batch_block(key_lengths, batch_shape, q.shape[-2], span)
+        )
+        part_shape = (span[1] - span[0], *batch_shape[1:])
+        parts.append(
+            _sdpa_chunked_slices(
+                xp, q, k, v, block_mask, lengths, is_causal, scale, query_chunk, key_chunk, part_shape, map_blocks
+            )
+        )
+    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
+
+
+def _sdpa_chunked_slices(
+    xp: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: Any,
+    query_chunk: int,
+    key_chunk: int,
+    batch_shape: tuple[int, ...],
+    map_blocks: Callable[..., list[Any]] | None,
+) -> Any:
+    """:func:`sdpa_chunked` on slices that fit one block together."""
     dtype = query.dtype
     compute = _checks.accumulation_dtype(xp, dtype)
     if compute != dtype:
         query, key, value = (xp.astype(a, compute) for a in (query, key, value))
     n, m = query.shape[-2], key.shape[-2]
-    if batch_shape is None:
-        batch_shape = _checks.leading_shape(query, key, value)
     device = _checks.device_of(query)
     offset = m - n
     key_t = xp.matrix_transpose(key)

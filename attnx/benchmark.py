@@ -38,7 +38,11 @@ from attnx._table import format_table
 #: Operations a case can time.  Baselines run only the SDPA operations.
 OPERATIONS = ("sdpa", "sdpa_causal", "multi_head_attention", "additive_attention")
 #: Baselines: name -> the library they need.
-BASELINES = {"numpy-textbook": "numpy", "torch-sdpa": "torch", "jax-sdpa": "jax"}
+BASELINES = {"numpy-textbook": "numpy", "torch-sdpa": "torch", "jax-sdpa": "jax", "keras-sdpa": "keras"}
+#: ``attnx bench --grid``: the shapes people use, (batch, n, head dim), 8 heads.
+GRID = {"batch": (1, 16, 64), "sizes": (128, 512, 2048, 8192), "head_dim": (64, 128), "heads": 8}
+#: The baseline the grid's ratios are taken against.
+GRID_BASELINE = "torch-sdpa"
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,14 @@ def _inputs(case: Case) -> tuple[Any, Any, Any, Any, Callable[[], None]]:
 
         on_device = [jnp.asarray(a, dtype=getattr(jnp, case.dtype)) for a in arrays]
         return (*on_device, jax, lambda: None)
+    if library == "keras":
+        # Keras 3 on the backend its users configured, PyTorch when none is
+        # (its default, TensorFlow, is rarely installed beside attnx).
+        os.environ.setdefault("KERAS_BACKEND", "torch")
+        import keras
+
+        converted = [keras.ops.convert_to_tensor(a, dtype=case.dtype) for a in arrays]
+        return (*converted, keras, lambda: None)
     import attnx
 
     converted = [attnx.asarray(a, backend=library) for a in arrays]
@@ -170,6 +182,11 @@ def _callable(case: Case) -> tuple[Callable[[], Any], Callable[[], None]]:
         swap = [jax.numpy.swapaxes(a, 1, 2) for a in (q, k, v)]
         attend = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal))
         return (lambda: attend(*swap).block_until_ready()), sync
+    if case.implementation == "keras-sdpa":
+        # keras.ops.dot_product_attention takes (B, n, H, d), as JAX does.
+        keras = library
+        swap = [keras.ops.swapaxes(a, 1, 2) for a in (q, k, v)]
+        return (lambda: keras.ops.dot_product_attention(*swap, is_causal=causal)), sync
     if case.implementation == "torch-sdpa":
         fused = library.nn.functional.scaled_dot_product_attention
         return (lambda: fused(q, k, v, is_causal=causal)), sync
@@ -366,23 +383,28 @@ def plan(
     operations: Sequence[str],
     sizes: Sequence[int],
     *,
-    batch: int,
+    batch: int | Sequence[int],
     heads: int,
-    head_dim: int,
+    head_dim: int | Sequence[int],
     dtype: str,
     repeat: int,
     baselines: Sequence[str],
     device: str | None = None,
     threads: int | None = None,
 ) -> list[Case]:
+    """Every case of a sweep; ``batch`` and ``head_dim`` may list several values."""
+    batches = [batch] if isinstance(batch, int) else list(batch)
+    head_dims = [head_dim] if isinstance(head_dim, int) else list(head_dim)
     cases = []
     for operation in operations:
-        for n in sizes:
-            implementations = [f"attnx:{b}" for b in backends]
-            if operation in ("sdpa", "sdpa_causal"):
-                implementations += list(baselines)
-            for implementation in implementations:
-                cases.append(Case(implementation, operation, batch, heads, n, head_dim, dtype, repeat, device, threads))
+        for b in batches:
+            for d in head_dims:
+                for n in sizes:
+                    implementations = [f"attnx:{name}" for name in backends]
+                    if operation in ("sdpa", "sdpa_causal"):
+                        implementations += list(baselines)
+                    for implementation in implementations:
+                        cases.append(Case(implementation, operation, b, heads, n, d, dtype, repeat, device, threads))
     return cases
 
 
@@ -437,6 +459,30 @@ def ratios(results: Sequence[Result]) -> dict[int, float | None]:
     return out
 
 
+def grid_rows(results: Sequence[Result], baseline: str = GRID_BASELINE) -> tuple[list[str], list[tuple[str, ...]]]:
+    """Headers and rows of the grid report: for each shape, every other
+    implementation's time over ``baseline``'s, full and causal side by side."""
+    times = {(r.case.implementation, r.case.operation, _shape(r.case)): r.median_s for r in results}
+    shapes = list(dict.fromkeys(_shape(r.case) for r in results))
+    others = [i for i in dict.fromkeys(r.case.implementation for r in results) if i != baseline]
+    operations = [op for op in ("sdpa", "sdpa_causal") if any(r.case.operation == op for r in results)]
+    headers = ["shape (B, H, n, d)", "dtype"]
+    headers += [f"{i} {'causal' if op == 'sdpa_causal' else 'full'}" for i in others for op in operations]
+    rows = []
+    for shape in shapes:
+        row = [f"({shape[0]}, {shape[1]}, {shape[2]}, {shape[3]})", shape[4]]
+        for implementation in others:
+            for operation in operations:
+                mine, theirs = times.get((implementation, operation, shape)), times.get((baseline, operation, shape))
+                row.append(f"{mine / theirs:.2f}" if mine and theirs else "")
+        rows.append(tuple(row))
+    return headers, rows
+
+
+def _shape(case: Case) -> tuple[int, int, int, int, str]:
+    return (case.batch, case.heads, case.n, case.head_dim, case.dtype)
+
+
 def fit_exponent(sizes: Sequence[float], values: Sequence[float]) -> float | None:
     """Slope of log(value) against log(size), by least squares."""
     points = [(math.log(s), math.log(v)) for s, v in zip(sizes, values) if v and v > 0]
@@ -485,7 +531,7 @@ def table_rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
     return rows
 
 
-def markdown(results: Sequence[Result], command: str) -> str:
+def markdown(results: Sequence[Result], command: str, grid: bool = False) -> str:
     rows = table_rows(results)
     lines = [
         "| " + " | ".join(HEADERS) + " |",
@@ -497,6 +543,17 @@ def markdown(results: Sequence[Result], command: str) -> str:
         slope = fit_exponent([p[0] for p in points], [p[1] for p in points])
         if slope is not None:
             exponents.append(f"- {operation}, {implementation}: time grows as n^{slope:.2f}")
+    ratio_section = []
+    if grid:
+        grid_headers, grid_table = grid_rows(results)
+        ratio_section = [
+            f"Time over {GRID_BASELINE}'s at the same shape, measured in the same run (below 1 = faster):",
+            "",
+            "| " + " | ".join(grid_headers) + " |",
+            "|" + "---|" * len(grid_headers),
+            *("| " + " | ".join(row) + " |" for row in grid_table),
+            "",
+        ]
     return "\n".join(
         [
             f"Command: `{command}`",
@@ -507,6 +564,7 @@ def markdown(results: Sequence[Result], command: str) -> str:
             "4·B·H·n²·d (halved when causal); peak extra memory = the process's high-water mark during "
             "one call minus its resident memory before it.",
             "",
+            *ratio_section,
             *lines,
             "",
             "Fitted exponents (least squares on log time against log n):",
@@ -518,11 +576,15 @@ def markdown(results: Sequence[Result], command: str) -> str:
 
 
 def _series(results: Sequence[Result], value: str = "time") -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """Points (n, value) per operation and line; a sweep over several batch
+    sizes or head dims draws one line for each."""
+    several = len({(r.case.batch, r.case.head_dim) for r in results}) > 1
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for r in results:
         measured = r.median_s if value == "time" else (r.peak_bytes / 2**20 if r.peak_bytes is not None else None)
         if measured:
-            series.setdefault((r.case.operation, r.case.implementation), []).append((r.case.n, measured))
+            line = r.case.implementation + (f" B={r.case.batch} d={r.case.head_dim}" if several else "")
+            series.setdefault((r.case.operation, line), []).append((r.case.n, measured))
     return series
 
 
@@ -577,8 +639,12 @@ def plot(results: Sequence[Result], folder: Path) -> list[Path]:
     return written
 
 
-def print_table(results: Sequence[Result]) -> None:
+def print_table(results: Sequence[Result], grid: bool = False) -> None:
     print(format_table(HEADERS, table_rows(results)))
+    if grid:
+        headers, rows = grid_rows(results)
+        print(f"\ntime over {GRID_BASELINE}'s, same run (below 1 = faster):")
+        print(format_table(tuple(headers), rows))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -8,6 +8,7 @@ exit status 2, as argparse reports its own errors.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -171,8 +172,21 @@ def _check_bench_arguments(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from attnx.benchmark import GRID
+
+    # --grid fills in what was not given: the shapes of issue-sized workloads
+    for name, default, grid in (
+        ("batch", [1], GRID["batch"]),
+        ("sizes", [128, 256, 512, 1024, 2048], GRID["sizes"]),
+        ("head_dim", [64], GRID["head_dim"]),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, list(grid if args.grid else default))
+    if args.grid and args.no_baselines:
+        args.parser.error("argument --grid: its report is the ratio to torch-sdpa, a baseline; drop --no-baselines")
+    if args.grid and importlib.util.find_spec("torch") is None:
+        args.parser.error("argument --grid: its report is the ratio to torch-sdpa, which needs torch installed")
     _check_bench_arguments(args)
-    import importlib.util
     from pathlib import Path
 
     from attnx import benchmark
@@ -180,9 +194,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     warning = benchmark.load_warning(args.threads)
     if warning is not None:
         print(f"attnx bench: warning: {warning}", file=sys.stderr)
-    baselines = [] if args.no_baselines else ["numpy-textbook"]
-    for baseline, module in (("torch-sdpa", "torch"), ("jax-sdpa", "jax")):
-        if not args.no_baselines and importlib.util.find_spec(module) is not None:
+    # The grid compares with the libraries a user would pick instead; the
+    # textbook version's (B, H, n, n) scores would not fit in memory there.
+    baselines = [] if args.no_baselines or args.grid else ["numpy-textbook"]
+    for baseline, module in benchmark.BASELINES.items():
+        if baseline != "numpy-textbook" and not args.no_baselines and importlib.util.find_spec(module) is not None:
             baselines.append(baseline)
     cases = benchmark.plan(
         args.backends,
@@ -198,11 +214,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
     results = benchmark.sweep(cases)
-    benchmark.print_table(results)
+    benchmark.print_table(results, grid=args.grid)
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     command = "attnx bench " + " ".join(args.argv)
-    (folder / "results.md").write_text(benchmark.markdown(results, command.strip()))
+    (folder / "results.md").write_text(benchmark.markdown(results, command.strip(), grid=args.grid))
     (folder / "results.json").write_text(
         json.dumps(
             [
@@ -289,13 +305,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--sizes",
         nargs="+",
         type=_positive_int,
-        default=[128, 256, 512, 1024, 2048],
+        default=None,
         metavar="N",
-        help="sequence lengths (n = m)",
+        help="sequence lengths (n = m) (default: 128 256 512 1024 2048; with --grid 128 512 2048 8192)",
     )
-    bench.add_argument("--batch", type=_positive_int, default=1, help="batch size B")
+    bench.add_argument(
+        "--batch",
+        nargs="+",
+        type=_positive_int,
+        default=None,
+        metavar="B",
+        help="batch sizes (default: 1; with --grid 1 16 64)",
+    )
     bench.add_argument("--heads", type=_positive_int, default=8, help="heads H")
-    bench.add_argument("--head-dim", type=_positive_int, default=64, help="width d of each head")
+    bench.add_argument(
+        "--head-dim",
+        nargs="+",
+        type=_positive_int,
+        default=None,
+        metavar="D",
+        help="widths d of each head (default: 64; with --grid 64 128)",
+    )
+    bench.add_argument(
+        "--grid",
+        action="store_true",
+        help="the grid batch 1 16 64 x n 128 512 2048 8192 x d 64 128 (unless given), "
+        "reported as ratios to torch-sdpa; the whole grid takes hours on 2 cores",
+    )
     bench.add_argument("--dtype", default="float32", choices=BENCH_DTYPES, help="float dtype of the inputs")
     bench.add_argument("--repeat", type=_positive_int, default=5, help="timed calls per case, after one warm-up")
     bench.add_argument(

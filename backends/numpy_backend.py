@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from attnx import Backend, hookimpl
@@ -39,6 +39,7 @@ class NumPyBackend(Backend):
         self._blas: Any = None
         self._lock = threading.Lock()
         self._worker = threading.local()
+        self._natives: Mapping[str, Callable[..., Any]] | None = None
 
     def map_blocks(self, function: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
         items = list(items)
@@ -73,6 +74,20 @@ class NumPyBackend(Backend):
                     self._blas = None
                 self._pool = ThreadPoolExecutor(self.concurrent_blocks, thread_name_prefix="attnx-numpy")
         return self._pool, self._blas
+
+    def implementations(self) -> Mapping[str, Callable[..., Any]]:
+        if self._natives is None:
+            from attnx import get_memory_budget
+
+            from . import numpy_attention
+
+            def scaled_dot_product_attention(**arguments: Any) -> Any:
+                return numpy_attention.scaled_dot_product_attention(
+                    **arguments, run=self.map_blocks, threads=self.concurrent_blocks, budget=get_memory_budget()
+                )
+
+            self._natives = {"scaled_dot_product_attention": scaled_dot_product_attention}
+        return self._natives
 
     def version(self) -> str:
         import numpy

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -10,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attnx
-from attnx_conformance.helpers import tolerances
+from attnx_conformance import reference
+from attnx_conformance.helpers import assert_close, rounded, tolerances
 
 pytestmark = pytest.mark.attnx_operation("scaled_dot_product_attention")
 
@@ -125,3 +127,46 @@ def test_chunked_algorithm_computes_the_plain_one(attnx_backend, problem, query_
     plain = sdpa_generic(be.xp, **args, **common, return_weights=False)
     chunked = sdpa_generic(be.xp, **args, **common, return_weights=False, chunks=(query_chunk, key_chunk))
     np.testing.assert_allclose(be.numpy(chunked), be.numpy(plain), **tolerances(be))
+
+
+@st.composite
+def block_plans(draw):
+    """Attention whose blocks fall everywhere: batch and head shapes that
+    broadcast, sizes the chunks do not divide, and memory budgets that split
+    the batch, the heads and the rows into many blocks."""
+    batch, key_batch = draw(
+        st.sampled_from([((), ()), ((3,), (3,)), ((3,), ()), ((2, 3), (2, 3)), ((2, 3), (2, 1)), ((3, 2), (1, 2))])
+    )
+    n, m = draw(st.integers(1, 9)), draw(st.integers(1, 9))
+    d_k, d_v = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    causal = draw(st.booleans())
+    chunk_size = draw(st.one_of(st.none(), st.integers(1, 10), st.tuples(st.integers(1, 10), st.integers(1, 10))))
+    budget = draw(st.sampled_from([None, 64, 300, 2000]))
+    gen = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q = gen.standard_normal((*batch, n, d_k))
+    k = gen.standard_normal((*key_batch, m, d_k))
+    v = gen.standard_normal((*key_batch, m, d_v))
+    return q, k, v, causal, chunk_size, budget
+
+
+@SETTINGS
+@given(problem=block_plans())
+def test_every_block_plan_computes_attention(attnx_backend, problem):
+    """However the work is cut (explicit chunks, a memory budget that splits
+    the batch and the rows, broadcast heads), the result is attention: the
+    float64 reference, written from the formula.  A native implementation
+    with its own plan is held to the same."""
+    be = attnx_backend
+    q, k, v, causal, chunk_size, budget = problem
+    n, m = q.shape[-2], k.shape[-2]
+    batch_shape = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    allowed = np.broadcast_to(_allowed(None, causal, n, m), (*batch_shape, n, m))
+    expected, _ = reference.scaled_dot_product_attention(
+        *(rounded(a, be, "float64") for a in (q, k, v)), allowed=allowed, scale=0.5
+    )
+    args = [be.array(a, "float64") for a in (q, k, v)]
+    with contextlib.ExitStack() as stack:
+        if budget is not None:
+            stack.enter_context(attnx.memory_budget(budget))
+        out = attnx.scaled_dot_product_attention(*args, is_causal=causal, scale=0.5, chunk_size=chunk_size)
+    assert_close(out, expected, be, "float64")

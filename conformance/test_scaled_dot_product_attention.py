@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -170,10 +172,13 @@ def test_native_override_equals_generic(attnx_backend):
         assert_close(native, be.numpy(generic), be, "float64")
 
 
+@pytest.mark.parametrize("budget", [None, 200], ids=["one-group", "batch-split"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("n, m, chunks", [(9, 11, (4, 3)), (11, 6, (3, 4)), (7, 7, (2, 7)), (5, 5, 1)])
-def test_chunked_equals_plain(attnx_backend, case, n, m, chunks):
-    """The memory-efficient algorithm computes the plain algorithm's function."""
+def test_chunked_equals_plain(attnx_backend, case, n, m, chunks, budget):
+    """The memory-efficient algorithm computes the plain algorithm's function,
+    also where a small memory budget splits the batch into groups of slices
+    (each mask and layout of key_lengths then follows its group)."""
     be = attnx_backend
     batch = (2, 3)
     kwargs, _ = _mask_cases(rng(2), batch, n, m)[case]
@@ -185,7 +190,8 @@ def test_chunked_equals_plain(attnx_backend, case, n, m, chunks):
         for name, value in kwargs.items()
     }
     plain = attnx.scaled_dot_product_attention(q, k, v, return_weights=True, **call)[0]
-    chunked = attnx.scaled_dot_product_attention(q, k, v, chunk_size=chunks, **call)
+    with attnx.memory_budget(budget) if budget else contextlib.nullcontext():
+        chunked = attnx.scaled_dot_product_attention(q, k, v, chunk_size=chunks, **call)
     arguments = dict(
         query=q,
         key=k,
@@ -197,7 +203,8 @@ def test_chunked_equals_plain(attnx_backend, case, n, m, chunks):
         return_weights=False,
     )
     pair = chunks if isinstance(chunks, tuple) else (chunks, chunks)
-    generic = sdpa_generic(be.xp, **arguments, chunks=pair)
+    with attnx.memory_budget(budget) if budget else contextlib.nullcontext():
+        generic = sdpa_generic(be.xp, **arguments, chunks=pair)
     plain_scaled = sdpa_generic(be.xp, **arguments)
     assert_close(chunked, be.numpy(plain), be, "float64")
     assert_close(generic, be.numpy(plain_scaled), be, "float64")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import attnx
-from attnx.attention import BLOCK_BYTES, choose_chunks
+from attnx.attention import BLOCK_BYTES, choose_chunks, slices_per_block
 
 XP = attnx._registry.get("numpy").xp
 
@@ -35,7 +35,17 @@ def test_large_problems_are_chunked_within_the_block_size():
     rows, keys = chunks((1, 1, 8192, 64))
     assert rows * keys * 4 <= BLOCK_BYTES and rows >= 128
     rows, keys = chunks((1, 8, 4096, 64))
-    assert 8 * rows * keys * 4 <= 4 * BLOCK_BYTES
+    assert rows * keys * 4 <= BLOCK_BYTES and rows >= 128
+    assert slices_per_block(XP, np.float32, (rows, keys), 8) * rows * keys * 4 <= BLOCK_BYTES
+
+
+def test_the_plan_is_per_slice_not_divided_by_the_batch():
+    """A large batch keeps blocks of efficient height: it is split into
+    groups of slices instead (4-row blocks made 79,985 tasks on Dask)."""
+    rows, keys = chunks((64, 8, 1024, 64))
+    assert (rows, keys) == (1024, 1024)  # one slice's scores, 4 MiB: a block of its own
+    assert slices_per_block(XP, np.float32, (rows, keys), 64 * 8) * rows * keys * 4 <= BLOCK_BYTES
+    assert chunks((16, 8, 1024, 64), causal=True)[0] >= 64
 
 
 def test_concurrent_workers_share_mid_sized_problems():

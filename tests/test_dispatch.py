@@ -15,7 +15,7 @@ QKV = [np.ones((2, 3, 4), dtype=np.float32)] * 3
 def test_backend_is_inferred_from_inputs_and_logged(caplog):
     with caplog.at_level(logging.DEBUG, logger="attnx"):
         attnx.scaled_dot_product_attention(*QKV)
-    assert caplog.messages == ["scaled_dot_product_attention: backend 'numpy' (owns query), generic"]
+    assert caplog.messages == ["scaled_dot_product_attention: backend 'numpy' (owns query), native"]
 
 
 def test_explicit_backend_native_and_declined(loopback, caplog):

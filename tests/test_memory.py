@@ -1,0 +1,65 @@
+"""Peak memory of long sequences on NumPy: counted, not timed.
+
+NumPy reports every buffer it allocates to :mod:`tracemalloc`, so the peak
+of one call is exact and the same on every machine.  The limits are the
+issue's: 16 MiB for (1, 1, 8192, 64), 64 MiB for a causal (1, 1, 32768,
+64), float32, outputs included (2 and 8 MiB).  The plain algorithm would
+take 256 MiB and 4 GiB of scores.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import attnx
+
+MiB = 2**20
+
+
+def peak_bytes(function):
+    """Peak traced bytes of ``function()``, after one untraced call (first
+    calls import modules and start threads: not the call's memory)."""
+    function()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        result = function()
+        return tracemalloc.get_traced_memory()[1], result
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    "n, is_causal, limit", [(8192, False, 16 * MiB), (32768, True, 64 * MiB)], ids=["8192-full", "32768-causal"]
+)
+def test_long_sequences_stay_within_their_memory(n, is_causal, limit):
+    gen = np.random.default_rng(0)
+    q, k, v = (gen.standard_normal((1, 1, n, 64), dtype=np.float32) for _ in range(3))
+    peak, out = peak_bytes(lambda: attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal))
+    assert peak <= limit, f"peak {peak / MiB:.1f} MiB over {limit / MiB:.0f} MiB"
+    # and it is attention: a few rows against the formula, in float64
+    rows = [0, n // 2, n - 1]
+    scores = q[0, 0, rows].astype(np.float64) @ k[0, 0].T.astype(np.float64) / 8.0
+    if is_causal:
+        scores[np.arange(n)[None, :] > np.array(rows)[:, None]] = -np.inf
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = (weights / weights.sum(-1, keepdims=True)) @ v[0, 0].astype(np.float64)
+    np.testing.assert_allclose(out[0, 0, rows], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_threads_share_the_budget():
+    """More threads, the same budget: each block gets its share."""
+    gen = np.random.default_rng(1)
+    q, k, v = (gen.standard_normal((4, 8, 2048, 64), dtype=np.float32) for _ in range(3))
+    backend = attnx._registry.get("numpy")
+    saved = backend.concurrent_blocks
+    try:
+        backend.concurrent_blocks = 8
+        peak, _ = peak_bytes(lambda: attnx.scaled_dot_product_attention(q, k, v))
+    finally:
+        backend.concurrent_blocks = saved
+    output = 4 * 8 * 2048 * 64 * 4
+    assert peak - output <= 2 * attnx.get_memory_budget(), f"{(peak - output) / MiB:.1f} MiB beside the output"
