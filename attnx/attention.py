@@ -176,7 +176,8 @@ def choose_chunks(
         return min(query_chunk, max(n, 1)), min(key_chunk, max(m, 1))
     if return_weights:
         return None
-    scores = _slices(batch_shape) * n * m
+    slices = _slices(batch_shape)
+    scores = slices * n * m
     shared = concurrent_blocks > 1 and scores >= PARALLEL_SCORES
     budget = get_memory_budget()
     if scores * 8 <= budget and not shared:  # fits even in float64: the common, cheap case
@@ -192,8 +193,8 @@ def choose_chunks(
     rows = max(MIN_ROWS, block_bytes // (itemsize * key_chunk))
     if is_causal:
         rows = min(rows, max(MIN_ROWS, n // CAUSAL_BLOCKS))
-    if concurrent_blocks > 1:  # a block for every worker, even with one slice
-        rows = min(rows, max(MIN_ROWS, -(-n // concurrent_blocks)))
+    if concurrent_blocks > slices:  # too few slices to give every worker a block: split rows too
+        rows = min(rows, max(MIN_ROWS, -(-n * slices // concurrent_blocks)))
     return min(n, rows), key_chunk
 
 
@@ -474,37 +475,66 @@ def sdpa_chunked(
     if batch_shape is None:
         batch_shape = _checks.leading_shape(query, key, value)
     batch_shape = tuple(batch_shape)
-    slices = _slices(batch_shape)
-    fit = slices_per_block(xp, query.dtype, (query_chunk, key_chunk), slices, concurrent_blocks)
-    if fit >= slices or not batch_shape:
-        return _sdpa_chunked_slices(
-            xp, query, key, value, mask, key_lengths, is_causal, scale, query_chunk, key_chunk, batch_shape, map_blocks
+    n = query.shape[-2]
+    groups, query_chunk = _batch_groups(xp, query.dtype, batch_shape, n, query_chunk, key_chunk, concurrent_blocks)
+    attend = []  # one function of a row start per group of slices
+    for span in groups:
+        if span is None:
+            q, k, v, group_mask, lengths, group_shape = query, key, value, mask, key_lengths, batch_shape
+        else:
+            ndim = len(batch_shape)
+            q, k, v = (_masking.batch_block(a, ndim, 2, span) for a in (query, key, value))
+            group_mask = None if mask is None else _masking.batch_block(mask, ndim, 2, span)
+            lengths = None if key_lengths is None else _masking.lengths_batch_block(key_lengths, batch_shape, n, span)
+            group_shape = (span[1] - span[0], *batch_shape[1:])
+        attend.append(
+            _row_attention(xp, q, k, v, group_mask, lengths, is_causal, scale, query_chunk, key_chunk, group_shape)
         )
-    # Too many slices for one block: split the first batch axis, and where
-    # one entry of it still holds too many slices (many heads), the rows.
-    per_entry = slices // batch_shape[0]
-    group = max(1, fit // per_entry)
-    if fit < per_entry:
-        query_chunk = max(1, query_chunk * fit // per_entry)
-    ndim = len(batch_shape)
+    # Every (group, query block) pair is independent: one map, so that
+    # workers share groups as well as rows.
+    items = [(index, r0) for index in range(len(groups)) for r0 in range(0, n, query_chunk)]
+    run = map_blocks if map_blocks is not None else (lambda function, items: [function(item) for item in items])
+    blocks = run(lambda item: attend[item[0]](item[1]), items)
+    per_group = len(range(0, n, query_chunk))
     parts = []
-    for start in range(0, batch_shape[0], group):
-        span = (start, min(batch_shape[0], start + group))
-        q, k, v = (_masking.batch_block(a, ndim, 2, span) for a in (query, key, value))
-        block_mask = None if mask is None else _masking.batch_block(mask, ndim, 2, span)
-        lengths = (
-            None if key_lengths is None else _masking.lengths_batch_block(key_lengths, batch_shape, q.shape[-2], span)
-        )
-        part_shape = (span[1] - span[0], *batch_shape[1:])
-        parts.append(
-            _sdpa_chunked_slices(
-                xp, q, k, v, block_mask, lengths, is_causal, scale, query_chunk, key_chunk, part_shape, map_blocks
-            )
-        )
-    return parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
+    for index, span in enumerate(groups):
+        rows = blocks[index * per_group : (index + 1) * per_group]
+        part = rows[0] if len(rows) == 1 else xp.concat(rows, axis=-2)
+        group_shape = batch_shape if span is None else (span[1] - span[0], *batch_shape[1:])
+        if part.shape[:-2] != group_shape:  # leading dimensions only value had
+            part = xp.broadcast_to(part, (*group_shape, *part.shape[-2:]))
+        parts.append(part)
+    output = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
+    return xp.astype(output, query.dtype) if output.dtype != query.dtype else output
 
 
-def _sdpa_chunked_slices(
+def _batch_groups(
+    xp: Any,
+    dtype: Any,
+    batch_shape: tuple[int, ...],
+    n: int,
+    query_chunk: int,
+    key_chunk: int,
+    concurrent_blocks: int,
+) -> tuple[list[tuple[int, int] | None], int]:
+    """Spans of the first batch axis that make the blocks (``[None]``: the
+    whole batch in each block), and the query rows per block: as many slices
+    per block as fit the block size, and blocks enough for every worker."""
+    slices = _slices(batch_shape)
+    fit = min(slices_per_block(xp, dtype, (query_chunk, key_chunk), slices, concurrent_blocks), slices)
+    row_blocks = -(-n // query_chunk)
+    if concurrent_blocks > row_blocks:  # rows alone don't give every worker a block
+        fit = min(fit, max(1, slices * row_blocks // concurrent_blocks))
+    if fit >= slices or not batch_shape:
+        return [None], query_chunk
+    per_entry = slices // batch_shape[0]
+    if fit < per_entry:  # one entry of the batch still holds too many slices (many heads): fewer rows
+        query_chunk = max(1, query_chunk * fit // per_entry)
+    group = max(1, fit // per_entry)
+    return [(start, min(batch_shape[0], start + group)) for start in range(0, batch_shape[0], group)], query_chunk
+
+
+def _row_attention(
     xp: Any,
     query: Any,
     key: Any,
@@ -516,9 +546,9 @@ def _sdpa_chunked_slices(
     query_chunk: int,
     key_chunk: int,
     batch_shape: tuple[int, ...],
-    map_blocks: Callable[..., list[Any]] | None,
-) -> Any:
-    """:func:`sdpa_chunked` on slices that fit one block together."""
+) -> Callable[[int], Any]:
+    """The attention of ``query_chunk`` queries from a row start, for slices
+    that fit one block together, in the computation's dtype."""
     dtype = query.dtype
     compute = _checks.accumulation_dtype(xp, dtype)
     if compute != dtype:
@@ -570,9 +600,4 @@ def _sdpa_chunked_slices(
         # Normalise the (rows, d_v) output, not the (rows, keys) weights.
         return acc[..., :d_v] / _masking.nonzero_total(xp, acc[..., d_v:])
 
-    starts = range(0, n, query_chunk)
-    blocks = map_blocks(attend_rows, starts) if map_blocks is not None else [attend_rows(r0) for r0 in starts]
-    output = blocks[0] if len(blocks) == 1 else xp.concat(blocks, axis=-2)
-    if output.shape[:-2] != tuple(batch_shape):
-        output = xp.broadcast_to(output, (*batch_shape, *output.shape[-2:]))
-    return xp.astype(output, dtype) if compute != dtype else output
+    return attend_rows

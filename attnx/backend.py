@@ -140,8 +140,8 @@ class Backend:
     def map_blocks(self, function: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
         """``[function(item) for item in items]``, possibly run concurrently.
 
-        The chunked algorithms hand their independent blocks (ranges of
-        queries) to this method.  The default runs them one after another; a
+        The chunked algorithms hand their independent blocks (a group of
+        (batch, head) slices and a range of queries each) to this method.  The default runs them one after another; a
         CPU backend whose library releases the GIL may run them on threads (the
         NumPy backend does).  Results come back in the order of ``items``.
         """

@@ -33,32 +33,41 @@ MIN_ROWS = 64
 #: Query rows per task at most: more rows per task means fewer tasks to share
 #: among threads, and for causal masks more work spent above the diagonal.
 MAX_ROWS = 256
+#: Keys per block at most (the online softmax joins the blocks).
+KEY_CHUNK = 4096
 #: Scores below which threads cost more than they save (a single task).
 PARALLEL_SCORES = 2**16
+#: Scores from which each thread gets two tasks or more.
+BALANCED_SCORES = 2**20
 
 Run = Callable[[Callable[[Any], Any], Iterable[Any]], list[Any]]
 
 
 def plan(
-    slices: int, n: int, m: int, itemsize: int, chunks: tuple[int, int] | None, threads: int, budget: int
+    slices: int, n: int, m: int, itemsize: int, is_causal: bool, threads: int, budget: int
 ) -> tuple[int, int, int]:
     """``(slices_per_task, rows, key_chunk)``: the blocks of one call.
 
-    ``chunks`` is attnx's plan for one (batch, head) slice, ``(query_chunk,
-    key_chunk)``, or None when its scores fit the budget whole.  Threads
-    share the budget: each task's scores, ``slices_per_task * rows *
-    key_chunk``, stay within ``budget / threads`` bytes.
+    Threads share the memory budget: each task's scores, ``slices_per_task
+    * rows * key_chunk``, stay within ``budget / threads`` bytes, shrinking
+    keys first (down to 512) and rows after (down to :data:`MIN_ROWS`).
+    attnx's own chunk plan is not used: it is made for the generic
+    algorithm, which cannot spread slices over threads as this one does.
     """
-    query_chunk, key_chunk = chunks if chunks is not None else (n, m)
-    rows = min(n, query_chunk, MAX_ROWS)
-    if chunks is None and n > MAX_ROWS and rows < MIN_ROWS:
-        rows = MIN_ROWS
     per_thread = max(1, budget // threads)
-    fit = max(1, per_thread // (rows * key_chunk * itemsize))
-    per_task = min(fit, slices)
+    rows, key_chunk = min(n, MAX_ROWS), min(m, KEY_CHUNK)
+    if is_causal:  # thinner blocks skip more of the future
+        rows = min(rows, max(2 * MIN_ROWS, n // 8))
+    while rows * key_chunk * itemsize > per_thread and key_chunk > 512:
+        key_chunk = -(-key_chunk // 2)
+    while rows * key_chunk * itemsize > per_thread and rows > MIN_ROWS:
+        rows = -(-rows // 2)
+    per_task = min(max(1, per_thread // (rows * key_chunk * itemsize)), slices)
     if threads > 1 and slices * n * m >= PARALLEL_SCORES:
-        # at least two tasks per thread, so that threads finishing early find more
-        per_task = max(1, min(per_task, slices * -(-n // rows) // (2 * threads)))
+        # A task per thread; from BALANCED_SCORES two, so that threads
+        # finishing early find more (each task costs some 20 us to hand over).
+        tasks = threads if slices * n * m < BALANCED_SCORES else 2 * threads
+        per_task = max(1, min(per_task, slices * -(-n // rows) // tasks))
     return per_task, rows, key_chunk
 
 
@@ -97,6 +106,8 @@ def scaled_dot_product_attention(
     slices = math.prod(batch_shape)
     if slices == 0:
         return NotImplemented
+    if slices * n * m < PARALLEL_SCORES and slices * n * m * dtype.itemsize <= budget:
+        return _attend_small(query, key, value, dtype.type(scale), is_causal)
     d_k, d_v = query.shape[-1], value.shape[-1]
     # (slices, n, d): a view where the layout allows, a copy where heads broadcast
     q = np.broadcast_to(query, (*batch_shape, n, d_k)).reshape(slices, n, d_k)
@@ -104,21 +115,24 @@ def scaled_dot_product_attention(
     v = np.broadcast_to(value, (*batch_shape, m, d_v)).reshape(slices, m, d_v)
     scale = dtype.type(scale)
     output = np.empty((slices, n, d_v), dtype=dtype)
-    per_task, rows, key_chunk = plan(slices, n, m, dtype.itemsize, chunks, threads, budget)
+    per_task, rows, key_chunk = plan(slices, n, m, dtype.itemsize, is_causal, threads, budget)
     key_t = k.transpose(0, 2, 1)  # a view: BLAS reads it transposed
-    # One buffer of scores per thread and call: a fresh multi-megabyte array
-    # per block would be a fresh mmap, whose page faults cost up to a third
-    # of the block's time.
-    buffers = threading.local()
+    size = per_task * rows * key_chunk
 
     def attend(task: tuple[int, int]) -> None:
         s0, r0 = task
         s1, r1 = min(slices, s0 + per_task), min(n, r0 + rows)
-        scores = getattr(buffers, "scores", None)
-        if scores is None:
-            scores = buffers.scores = np.empty(per_task * rows * key_chunk, dtype=dtype)
         _attend_block(
-            q[s0:s1, r0:r1], key_t[s0:s1], v[s0:s1], output[s0:s1, r0:r1], scale, is_causal, r0, n, key_chunk, scores
+            q[s0:s1, r0:r1],
+            key_t[s0:s1],
+            v[s0:s1],
+            output[s0:s1, r0:r1],
+            scale,
+            is_causal,
+            r0,
+            n,
+            key_chunk,
+            _scratch(size, dtype),
         )
 
     # Causal tasks near the end of the sequence cost the most: start them
@@ -129,6 +143,36 @@ def scaled_dot_product_attention(
     else:
         run(attend, tasks)
     return output.reshape(*batch_shape, n, d_v)
+
+
+#: Each thread's scores buffer, kept between calls: a fresh buffer of blocks'
+#: size is a fresh mmap, whose page faults cost a third of a block's time
+#: and, taken by two threads at once, serialise them on the kernel's lock.
+#: At most the memory budget in all (each thread's share of it).
+_scratch_space = threading.local()
+
+
+def _scratch(size: int, dtype: Any) -> Any:
+    """A flat buffer of at least ``size`` items of ``dtype``, this thread's own."""
+    buffer = getattr(_scratch_space, "buffer", None)
+    nbytes = size * np.dtype(dtype).itemsize
+    if buffer is None or buffer.nbytes < nbytes:
+        buffer = _scratch_space.buffer = np.empty(nbytes, dtype=np.uint8)
+    return buffer[:nbytes].view(dtype)
+
+
+def _attend_small(query: Any, key: Any, value: Any, scale: Any, is_causal: bool) -> Any:
+    """One block for everything, on the inputs as they come: small calls are
+    all overhead, and planning is the largest part of it."""
+    n, m = query.shape[-2], key.shape[-2]
+    scores = np.matmul(query * scale, np.swapaxes(key, -1, -2))
+    if is_causal:
+        np.copyto(scores, -np.inf, where=~_masking.causal(xp, n, m))
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    output = np.matmul(scores, value)
+    output /= scores.sum(axis=-1, keepdims=True)
+    return output
 
 
 def _attend_block(

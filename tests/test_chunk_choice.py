@@ -49,7 +49,8 @@ def test_the_plan_is_per_slice_not_divided_by_the_batch():
 
 
 def test_concurrent_workers_share_mid_sized_problems():
-    assert chunks((1, 8, 128, 64), workers=2) == (64, 128)  # within the budget, but two blocks to share
+    # within the budget, but blocks to share: eight heads give each worker a block of whole rows
+    assert chunks((1, 8, 128, 64), workers=2) == (128, 128)
     assert chunks((1, 8, 64, 64), workers=2) is None  # too small to pay for threads
     assert chunks((1, 1, 256, 64), workers=2) is None
     assert chunks((1, 1, 1024, 64), workers=2) == (512, 1024)
