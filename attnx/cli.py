@@ -172,7 +172,7 @@ def _check_bench_arguments(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from attnx.benchmark import GRID
+    from attnx.benchmark import BASELINES, GRID, GRID_BASELINE
 
     # --grid fills in what was not given: the shapes of issue-sized workloads
     for name, default, grid in (
@@ -182,8 +182,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ):
         if getattr(args, name) is None:
             setattr(args, name, list(grid if args.grid else default))
-    if args.grid and args.no_baselines:
-        args.parser.error("argument --grid: its report is the ratio to torch-sdpa, a baseline; drop --no-baselines")
+    if args.grid and (args.no_baselines or args.baselines is not None and GRID_BASELINE not in args.baselines):
+        args.parser.error(f"argument --grid: its report is the ratio to {GRID_BASELINE}, a baseline it needs")
+    for baseline in args.baselines or ():
+        if importlib.util.find_spec(BASELINES[baseline]) is None:
+            args.parser.error(f"argument --baselines: {baseline} needs {BASELINES[baseline]}, which is not installed")
     if args.grid and importlib.util.find_spec("torch") is None:
         args.parser.error("argument --grid: its report is the ratio to torch-sdpa, which needs torch installed")
     _check_bench_arguments(args)
@@ -196,10 +199,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"attnx bench: warning: {warning}", file=sys.stderr)
     # The grid compares with the libraries a user would pick instead; the
     # textbook version's (B, H, n, n) scores would not fit in memory there.
-    baselines = [] if args.no_baselines or args.grid else ["numpy-textbook"]
-    for baseline, module in benchmark.BASELINES.items():
-        if baseline != "numpy-textbook" and not args.no_baselines and importlib.util.find_spec(module) is not None:
-            baselines.append(baseline)
+    if args.baselines is not None:
+        baselines = args.baselines
+    else:
+        baselines = [] if args.no_baselines or args.grid else ["numpy-textbook"]
+        for baseline, module in benchmark.BASELINES.items():
+            if baseline != "numpy-textbook" and not args.no_baselines and importlib.util.find_spec(module) is not None:
+                baselines.append(baseline)
     cases = benchmark.plan(
         args.backends,
         args.operations,
@@ -249,7 +255,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from attnx import __version__
-    from attnx.benchmark import OPERATIONS
+    from attnx.benchmark import BASELINES, OPERATIONS
 
     parser = _Parser(prog="attnx", description=__doc__, formatter_class=_Help)
     parser.add_argument("--version", action="version", version=f"attnx {__version__}")
@@ -341,6 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--device",
         default=None,
         help="for GPU backends, as `attnx backends` lists it (cuda:0); default: the backend's default device",
+    )
+    bench.add_argument(
+        "--baselines",
+        nargs="+",
+        default=None,
+        choices=list(BASELINES),
+        metavar="NAME",
+        help=f"baselines to time: {', '.join(BASELINES)} (default: those installed; the textbook only without --grid)",
     )
     bench.add_argument(
         "--no-baselines",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 import attnx
 from attnx_backends.numpy_backend import NumPyBackend
@@ -37,9 +38,16 @@ def test_one_thread_is_sequential(monkeypatch):
     assert backend.map_blocks(lambda i: threading.current_thread() is threading.main_thread(), range(3)) == [True] * 3
 
 
-def test_threaded_chunks_equal_sequential_chunks(monkeypatch):
+@pytest.mark.parametrize(
+    "n, kwargs",
+    [(40, {"key_lengths": np.array([40, 33]), "chunk_size": (7, 9)}), (256, {})],
+    ids=["generic-masked", "native"],
+)
+def test_threaded_chunks_equal_sequential_chunks(monkeypatch, n, kwargs):
+    """Blocks run on the backend's threads, in the generic algorithm (masked
+    calls) and in the native one, and compute what one thread computes."""
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((2, 3, 40, 8)) for _ in range(3))
+    q, k, v = (rng.standard_normal((2, 3, n, 8)) for _ in range(3))
     backend = attnx._registry.get("numpy")
     monkeypatch.setattr(backend, "concurrent_blocks", 2)
     workers = set()
@@ -53,7 +61,8 @@ def test_threaded_chunks_equal_sequential_chunks(monkeypatch):
         return original(run, items)
 
     monkeypatch.setattr(backend, "map_blocks", recording)
-    threaded = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, chunk_size=(7, 9))
+    threaded = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
     assert workers and all(name.startswith("attnx-numpy") for name in workers), workers
-    plain = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, return_weights=True)[0]
+    lengths = kwargs.get("key_lengths")
+    plain = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, key_lengths=lengths, return_weights=True)[0]
     np.testing.assert_allclose(threaded, plain, rtol=1e-12, atol=1e-14)
