@@ -59,11 +59,12 @@ def scaled_dot_product_attention(
         Also return the attention weights.
     chunk_size : int or (int, int), optional
         Use the memory-efficient algorithm (:func:`sdpa_chunked`) with this
-        many queries (and keys) per block.  By default it is used when the
-        score matrix would exceed the memory budget
-        (:func:`attnx.set_memory_budget`, 4 MiB unless set).  It never
-        materialises the weights, so it can't be combined with
-        ``return_weights=True``.
+        many queries (and keys) per block and (batch, head) slice.  By
+        default it is used when the score matrix would exceed the memory
+        budget (:func:`attnx.set_memory_budget`, 4 MiB unless set).  It
+        never materialises the weights, so it can't be combined with
+        ``return_weights=True``.  A backend's native implementation may cut
+        the work its own way, within the same budget.
     backend : str, optional
         Run on this backend; by default the one that owns the inputs.
 
@@ -82,8 +83,9 @@ def scaled_dot_product_attention(
 
     Native implementations are called with the keyword arguments ``query``,
     ``key``, ``value``, ``mask``, ``key_lengths``, ``is_causal``, ``scale``
-    (a float, or a 0-d array in the computation's dtype), ``return_weights``, ``chunks`` (None, or the
-    ``(query_chunk, key_chunk)`` the generic algorithm would use) and
+    (a float, or a 0-d array in the computation's dtype), ``return_weights``,
+    ``chunks`` (None, or the ``(query_chunk, key_chunk)`` per (batch, head)
+    slice the generic algorithm would use: ``chunk_size`` when given) and
     ``batch_shape`` (the broadcast leading shape), after validation.
     """
     chosen, reason = _dispatch.resolve(

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import array_api_compat.numpy as xp
 import numpy as np
 
-from attnx import _masking
+from attnx import _masking, get_memory_budget
 
 #: Query rows per task, at least, wherever the sequence has them.  Measured
 #: on this project's CI machine (AMD EPYC, AVX2, OpenBLAS 0.3.31, one thread):
@@ -39,8 +38,6 @@ KEY_CHUNK = 4096
 PARALLEL_SCORES = 2**16
 #: Scores from which each thread gets two tasks or more.
 BALANCED_SCORES = 2**20
-
-Run = Callable[[Callable[[Any], Any], Iterable[Any]], list[Any]]
 
 
 def plan(
@@ -83,19 +80,17 @@ def scaled_dot_product_attention(
     return_weights: bool,
     chunks: tuple[int, int] | None = None,
     batch_shape: tuple[int, ...] | None = None,
-    run: Run,
-    threads: int,
-    budget: int,
+    backend: Any,
 ) -> Any:
     """attnx's native entry point (see :meth:`attnx.Backend.implementations`);
-    ``run``, ``threads`` and ``budget`` are bound by the backend."""
+    ``backend`` (bound by it) runs the tasks on its threads."""
     n, m = query.shape[-2], key.shape[-2]
     dtype = query.dtype
     if (
         return_weights
         or mask is not None
         or key_lengths is not None
-        or dtype not in (np.float32, np.float64)
+        or dtype.char not in ("f", "d")  # float32, float64
         or n == 0
         or m == 0
         or (is_causal and n > m)  # rows with no key at all: the generic algorithm's zeros
@@ -106,8 +101,9 @@ def scaled_dot_product_attention(
     slices = math.prod(batch_shape)
     if slices == 0:
         return NotImplemented
-    if slices * n * m < PARALLEL_SCORES and slices * n * m * dtype.itemsize <= budget:
-        return _attend_small(query, key, value, dtype.type(scale), is_causal)
+    if chunks is None and slices * n * m < PARALLEL_SCORES:  # within the budget: attnx planned no chunks
+        # A Python float keeps the dtype (NEP 50); a 0-d array is cast to it.
+        return _attend_small(query, key, value, scale if type(scale) is float else dtype.type(scale), is_causal)
     d_k, d_v = query.shape[-1], value.shape[-1]
     # (slices, n, d): a view where the layout allows, a copy where heads broadcast
     q = np.broadcast_to(query, (*batch_shape, n, d_k)).reshape(slices, n, d_k)
@@ -115,7 +111,8 @@ def scaled_dot_product_attention(
     v = np.broadcast_to(value, (*batch_shape, m, d_v)).reshape(slices, m, d_v)
     scale = dtype.type(scale)
     output = np.empty((slices, n, d_v), dtype=dtype)
-    per_task, rows, key_chunk = plan(slices, n, m, dtype.itemsize, is_causal, threads, budget)
+    threads = backend.concurrent_blocks
+    per_task, rows, key_chunk = plan(slices, n, m, dtype.itemsize, is_causal, threads, get_memory_budget())
     key_t = k.transpose(0, 2, 1)  # a view: BLAS reads it transposed
     size = per_task * rows * key_chunk
 
@@ -141,7 +138,7 @@ def scaled_dot_product_attention(
     if len(tasks) == 1:
         attend(tasks[0])
     else:
-        run(attend, tasks)
+        backend.map_blocks(attend, tasks)
     return output.reshape(*batch_shape, n, d_v)
 
 
@@ -165,7 +162,7 @@ def _attend_small(query: Any, key: Any, value: Any, scale: Any, is_causal: bool)
     """One block for everything, on the inputs as they come: small calls are
     all overhead, and planning is the largest part of it."""
     n, m = query.shape[-2], key.shape[-2]
-    scores = np.matmul(query * scale, np.swapaxes(key, -1, -2))
+    scores = np.matmul(query * scale, key.swapaxes(-1, -2))
     if is_causal:
         np.copyto(scores, -np.inf, where=~_masking.causal(xp, n, m))
     scores -= scores.max(axis=-1, keepdims=True)

@@ -77,16 +77,12 @@ class NumPyBackend(Backend):
 
     def implementations(self) -> Mapping[str, Callable[..., Any]]:
         if self._natives is None:
-            from attnx import get_memory_budget
+            from functools import partial
 
             from . import numpy_attention
 
-            def scaled_dot_product_attention(**arguments: Any) -> Any:
-                return numpy_attention.scaled_dot_product_attention(
-                    **arguments, run=self.map_blocks, threads=self.concurrent_blocks, budget=get_memory_budget()
-                )
-
-            self._natives = {"scaled_dot_product_attention": scaled_dot_product_attention}
+            sdpa = partial(numpy_attention.scaled_dot_product_attention, backend=self)
+            self._natives = {"scaled_dot_product_attention": sdpa}
         return self._natives
 
     def version(self) -> str:

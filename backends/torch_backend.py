@@ -8,6 +8,7 @@ flash kernel when it can) with attnx's masks translated to PyTorch's.
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -117,7 +118,7 @@ def _scaled_dot_product_attention(
     if return_weights:
         return NotImplemented  # PyTorch's kernels don't return the weights
     fused = _fused_attention or _load()
-    q_shape, k_shape, v_shape = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    q_shape, k_shape, v_shape = query.shape, key.shape, value.shape  # torch.Size: tuples already
     n, m = q_shape[-2], k_shape[-2]
     leading = q_shape[:-2]
     same_leading = leading == k_shape[:-2] == v_shape[:-2]
@@ -127,6 +128,8 @@ def _scaled_dot_product_attention(
         return NotImplemented  # nothing to attend: the generic algorithm's zeros
     if not isinstance(scale, float):  # a tensor (traced, or with a gradient): fold it into the queries
         query, scale = query * scale, 1.0
+    elif q_shape[-1] and scale == 1.0 / math.sqrt(q_shape[-1]):
+        scale = None  # PyTorch's own default, computed alike: the keyword costs a microsecond per call
     if mask is None and key_lengths is None and (not is_causal or n == m):
         attn_mask = None  # lets PyTorch pick its fused kernels
     else:
@@ -147,6 +150,8 @@ def _scaled_dot_product_attention(
         is_causal = False
     if same_leading and 1 <= len(leading) <= 2:
         # Positional (attn_mask, dropout_p, is_causal): keywords cost a microsecond here.
+        if scale is None:
+            return fused(query, key, value, attn_mask, 0.0, is_causal)
         return fused(query, key, value, attn_mask, 0.0, is_causal, scale=scale)
     # PyTorch's fused CPU kernels want (batch, heads, n, d): other layouts (no
     # leading dimension, broadcast heads, 5-D grouped heads) fall back to a
