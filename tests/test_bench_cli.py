@@ -70,3 +70,37 @@ def test_pool_peak_counts_what_is_in_use_at_once():
     for event, size in [("malloc", 512), ("malloc", 1024), ("free", 512), ("malloc", 256), ("free", 1024)]:
         getattr(peak, f"{event}_postprocess")(device_id=0, mem_size=size, mem_ptr=1, pmem_id=1)
     assert (peak.peak, peak.in_use) == (1536, 256)
+
+
+def test_grid_reports_ratios_to_torch_sdpa_over_batch_n_and_d():
+    from attnx.benchmark import grid_rows, plan
+
+    cases = plan(
+        ["numpy"],
+        ["sdpa", "sdpa_causal"],
+        [16, 32],
+        batch=[1, 4],
+        heads=2,
+        head_dim=[8, 16],
+        dtype="float32",
+        repeat=1,
+        baselines=["torch-sdpa"],
+    )
+    assert len(cases) == 2 * 2 * 2 * 2 * 2  # operations x batches x dims x sizes x implementations
+    results = [Result(case, median_s=2.0 if case.implementation == "attnx:numpy" else 1.0) for case in cases]
+    results[0].median_s = 3.0  # (1, 2, 16, 8) full
+    headers, rows = grid_rows(results)
+    assert headers == ["shape (B, H, n, d)", "dtype", "attnx:numpy full", "attnx:numpy causal"]
+    assert rows[0] == ("(1, 2, 16, 8)", "float32", "3.00", "2.00")
+    assert len(rows) == 8 and all(row[2:] == ("2.00", "2.00") for row in rows[1:])
+
+
+def test_grid_without_its_baseline_is_one_error_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "attnx.cli", "bench", "--grid", "--baselines", "jax-sdpa"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "torch-sdpa" in result.stderr
