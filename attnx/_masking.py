@@ -269,25 +269,39 @@ def as_additive(xp: Any, allowed: Any, additive: Any, dtype: Any) -> Any:
     return xp.where(allowed, base, xp.asarray(-float("inf"), dtype=dtype, device=device_of(allowed)))
 
 
+_WRITEABLE: dict[type, bool] = {}
+
+
 def can_mutate(array: Any) -> bool:
     """In-place updates are safe on this intermediate: its library allows them
-    and it records no gradient (autograd needs the values it saw)."""
-    return is_writeable_array(array) and not getattr(array, "requires_grad", False)
+    and it records no gradient (autograd needs the values it saw).
+
+    Asked once per array type, as the intermediates attnx computes are
+    writeable or not by their library, and kept in a plain dict: torch.compile
+    warns about array-api-compat's ``lru_cache`` when it traces through it."""
+    if getattr(array, "requires_grad", False):
+        return False
+    kind = type(array)
+    writeable = _WRITEABLE.get(kind)
+    if writeable is None:
+        writeable = _WRITEABLE[kind] = is_writeable_array(array)
+    return writeable
 
 
 def unnormalised_softmax(
-    xp: Any, scores: Any, allowed: Any = None, additive: Any = None, running_max: Any = None
+    xp: Any, scores: Any, allowed: Any = None, additive: Any = None, running_max: Any = None, owned: bool = True
 ) -> tuple[Any, Any]:
     """``(exp(scores - shift), max)`` over the last axis, with masks applied.
 
-    ``scores`` is an intermediate the caller owns: it may be overwritten.
+    ``scores`` is an intermediate the caller owns and may be overwritten,
+    unless ``owned=False`` (the user's own array, or a view of it).
     ``max`` is the row maximum (combined with ``running_max``, the online
     softmax's maximum so far), ``-inf`` on a row with nothing allowed;
     ``shift`` is that maximum with ``-inf`` replaced by 0 (see
     :func:`finite_shift`), so such a row's exponentials are zeros, not NaN.
     Masked entries give exactly 0.
     """
-    mutable = can_mutate(scores)
+    mutable = owned and can_mutate(scores)
     if additive is not None:
         if mutable and additive.dtype == scores.dtype:
             scores += additive
@@ -324,11 +338,12 @@ def safe_total(xp: Any, exp_scores: Any, masked: bool = True) -> Any:
     return nonzero_total(xp, total) if masked else total
 
 
-def softmax(xp: Any, scores: Any, allowed: Any = None, additive: Any = None) -> Any:
-    """Stable softmax over the last axis with masks; fully masked rows give zeros."""
+def softmax(xp: Any, scores: Any, allowed: Any = None, additive: Any = None, owned: bool = True) -> Any:
+    """Stable softmax over the last axis with masks; fully masked rows give
+    zeros.  ``scores`` may be overwritten unless ``owned=False``."""
     if scores.shape[-1] == 0:  # nothing to normalise (a maximum of nothing is undefined)
         return scores
-    exp_scores, _ = unnormalised_softmax(xp, scores, allowed, additive)
+    exp_scores, _ = unnormalised_softmax(xp, scores, allowed, additive, owned=owned)
     total = safe_total(xp, exp_scores, allowed is not None or additive is not None)
     if can_mutate(exp_scores):
         exp_scores /= total

@@ -415,7 +415,8 @@ def _masked_softmax_generic(xp: Any, *, scores: Any, mask: Any, key_lengths: Any
         dtype=compute,
         device=_checks.device_of(scores),
     )
-    weights = _masking.softmax(xp, moved, allowed, additive)
+    # The user's scores (or a view of them) unless the cast made a copy: never overwritten.
+    weights = _masking.softmax(xp, moved, allowed, additive, owned=compute != dtype)
     if compute != dtype:
         weights = xp.astype(weights, dtype)
     if ndim == 1:

@@ -91,3 +91,18 @@ def test_a_mask_of_more_dimensions_than_1d_scores_is_refused(attnx_backend):
         attnx.masked_softmax(scores, mask=be.array(np.ones((1, 4), dtype=bool)))
     got = attnx.masked_softmax(scores, mask=be.array(np.array([True, True, False, False])))
     assert_close(got, np.array([0.5, 0.5, 0.0, 0.0]), be, "float32")
+
+
+@pytest.mark.parametrize("axis", [-1, 0])
+@pytest.mark.parametrize("with_additive", [False, True], ids=["plain", "additive"])
+def test_masked_softmax_leaves_its_input_alone(attnx_backend, axis, with_additive):
+    """The scores are the user's: the softmax is computed beside them, never
+    in them (an in-place shift once changed NumPy inputs)."""
+    be = attnx_backend
+    scores = rng(23).standard_normal((4, 5))
+    for dtype in be.dtypes:
+        given = be.array(scores, dtype)
+        before = be.numpy(given).copy()
+        mask = be.array(np.zeros(4 if axis == 0 else 5), dtype) if with_additive else None
+        attnx.masked_softmax(given, mask=mask, axis=axis)
+        np.testing.assert_array_equal(be.numpy(given), before, err_msg=f"{dtype}: the input changed")
