@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -178,7 +179,7 @@ def choose_chunks(
         return min(query_chunk, max(n, 1)), min(key_chunk, max(m, 1))
     if return_weights:
         return None
-    slices = _slices(batch_shape)
+    slices = math.prod(batch_shape)
     scores = slices * n * m
     shared = concurrent_blocks > 1 and scores >= PARALLEL_SCORES
     budget = get_memory_budget()
@@ -215,13 +216,6 @@ def _block_bytes(budget: int, concurrent_blocks: int) -> int:
 
 def _itemsize(xp: Any, dtype: Any) -> int:
     return 4 if _checks.accumulation_dtype(xp, dtype) == xp.float32 else 8
-
-
-def _slices(batch_shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in batch_shape:
-        count *= size
-    return count
 
 
 def check_attention_inputs(
@@ -480,7 +474,7 @@ def sdpa_chunked(
     batch_shape = tuple(batch_shape)
     n = query.shape[-2]
     groups, query_chunk = _batch_groups(xp, query.dtype, batch_shape, n, query_chunk, key_chunk, concurrent_blocks)
-    attend = []  # one function of a row start per group of slices
+    attend, group_shapes = [], []  # per group of slices: a function of a row start, the leading shape
     for span in groups:
         if span is None:
             q, k, v, group_mask, lengths, group_shape = query, key, value, mask, key_lengths, batch_shape
@@ -493,6 +487,7 @@ def sdpa_chunked(
         attend.append(
             _row_attention(xp, q, k, v, group_mask, lengths, is_causal, scale, query_chunk, key_chunk, group_shape)
         )
+        group_shapes.append(group_shape)
     # Every (group, query block) pair is independent: one map, so that
     # workers share groups as well as rows.
     items = [(index, r0) for index in range(len(groups)) for r0 in range(0, n, query_chunk)]
@@ -500,10 +495,9 @@ def sdpa_chunked(
     blocks = run(lambda item: attend[item[0]](item[1]), items)
     per_group = len(range(0, n, query_chunk))
     parts = []
-    for index, span in enumerate(groups):
+    for index, group_shape in enumerate(group_shapes):
         rows = blocks[index * per_group : (index + 1) * per_group]
         part = rows[0] if len(rows) == 1 else xp.concat(rows, axis=-2)
-        group_shape = batch_shape if span is None else (span[1] - span[0], *batch_shape[1:])
         if part.shape[:-2] != group_shape:  # leading dimensions only value had
             part = xp.broadcast_to(part, (*group_shape, *part.shape[-2:]))
         parts.append(part)
@@ -523,8 +517,8 @@ def _batch_groups(
     """Spans of the first batch axis that make the blocks (``[None]``: the
     whole batch in each block), and the query rows per block: as many slices
     per block as fit the block size, and blocks enough for every worker."""
-    slices = _slices(batch_shape)
-    fit = min(slices_per_block(xp, dtype, (query_chunk, key_chunk), slices, concurrent_blocks), slices)
+    slices = math.prod(batch_shape)
+    fit = slices_per_block(xp, dtype, (query_chunk, key_chunk), slices, concurrent_blocks)
     row_blocks = -(-n // query_chunk)
     if concurrent_blocks > row_blocks:  # rows alone don't give every worker a block
         fit = min(fit, max(1, slices * row_blocks // concurrent_blocks))

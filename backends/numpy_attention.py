@@ -23,17 +23,13 @@ import numpy as np
 
 from attnx import _masking, get_memory_budget
 
-#: Query rows per task, at least, wherever the sequence has them.  Measured
-#: on this project's CI machine (AMD EPYC, AVX2, OpenBLAS 0.3.31, one thread):
-#: a (rows x 64) @ (64 x 512) sgemm runs at 78-86 GFLOP/s from 64 rows up,
-#: 67 at 32 rows and 46 at 16; at d = 128, 65-88 from 64 rows, 72 at 32 and
-#: 59 at 16.  Below 64 rows the matrix products lose a fifth or more.
-MIN_ROWS = 64
+# The same thresholds as the generic algorithm's (measured there): blocks
+# of at least MIN_ROWS query rows, at most KEY_CHUNK keys.
+from attnx.attention import KEY_CHUNK, MIN_ROWS
+
 #: Query rows per task at most: more rows per task means fewer tasks to share
 #: among threads, and for causal masks more work spent above the diagonal.
 MAX_ROWS = 256
-#: Keys per block at most (the online softmax joins the blocks).
-KEY_CHUNK = 4096
 #: Scores below which threads cost more than they save (a single task).
 PARALLEL_SCORES = 2**16
 #: Scores from which each thread gets two tasks or more.
