@@ -276,11 +276,16 @@ def can_mutate(array: Any) -> bool:
     """In-place updates are safe on this intermediate: its library allows them
     and it records no gradient (autograd needs the values it saw).
 
-    Asked once per array type, as the intermediates attnx computes are
-    writeable or not by their library, and kept in a plain dict: torch.compile
-    warns about array-api-compat's ``lru_cache`` when it traces through it."""
+    An array that says so itself (NumPy's ``flags.writeable``: broadcast
+    views are read-only) is asked each time; for the others the answer is
+    their library's, asked once per array type and kept in a plain dict:
+    torch.compile warns about array-api-compat's ``lru_cache`` when it traces
+    through it."""
     if getattr(array, "requires_grad", False):
         return False
+    own = getattr(getattr(array, "flags", None), "writeable", None)
+    if own is not None:
+        return own
     kind = type(array)
     writeable = _WRITEABLE.get(kind)
     if writeable is None:

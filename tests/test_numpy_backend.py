@@ -66,3 +66,12 @@ def test_threaded_chunks_equal_sequential_chunks(monkeypatch, n, kwargs):
     lengths = kwargs.get("key_lengths")
     plain = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, key_lengths=lengths, return_weights=True)[0]
     np.testing.assert_allclose(threaded, plain, rtol=1e-12, atol=1e-14)
+
+
+def test_read_only_arrays_are_never_updated_in_place():
+    """Writeability is per NumPy array (broadcast views are read-only), not
+    per type: a writeable array asked first must not vouch for a view."""
+    from attnx._masking import can_mutate
+
+    assert can_mutate(np.ones((2, 3)))
+    assert not can_mutate(np.broadcast_to(np.ones(3), (2, 3)))
