@@ -539,13 +539,16 @@ def table_rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
     return rows
 
 
-def markdown(results: Sequence[Result], command: str, grid: bool = False) -> str:
-    rows = table_rows(results)
-    lines = [
-        "| " + " | ".join(HEADERS) + " |",
-        "|" + "---|" * len(HEADERS),
+def _markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(headers) + " |",
+        "|" + "---|" * len(headers),
         *("| " + " | ".join(row) + " |" for row in rows),
     ]
+
+
+def markdown(results: Sequence[Result], command: str, grid: bool = False) -> str:
+    lines = _markdown_table(HEADERS, table_rows(results))
     exponents = []
     for (operation, implementation), points in _series(results).items():
         slope = fit_exponent([p[0] for p in points], [p[1] for p in points])
@@ -557,9 +560,7 @@ def markdown(results: Sequence[Result], command: str, grid: bool = False) -> str
         ratio_section = [
             f"Time over {GRID_BASELINE}'s at the same shape, measured in the same run (below 1 = faster):",
             "",
-            "| " + " | ".join(grid_headers) + " |",
-            "|" + "---|" * len(grid_headers),
-            *("| " + " | ".join(row) + " |" for row in grid_table),
+            *_markdown_table(grid_headers, grid_table),
             "",
         ]
     return "\n".join(

@@ -187,8 +187,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for baseline in args.baselines or ():
         if importlib.util.find_spec(BASELINES[baseline]) is None:
             args.parser.error(f"argument --baselines: {baseline} needs {BASELINES[baseline]}, which is not installed")
-    if args.grid and importlib.util.find_spec("torch") is None:
-        args.parser.error("argument --grid: its report is the ratio to torch-sdpa, which needs torch installed")
+    if args.grid and importlib.util.find_spec(BASELINES[GRID_BASELINE]) is None:
+        args.parser.error(
+            f"argument --grid: its report is the ratio to {GRID_BASELINE}, which needs {BASELINES[GRID_BASELINE]} installed"
+        )
     _check_bench_arguments(args)
     from pathlib import Path
 

@@ -97,15 +97,15 @@ def scaled_dot_product_attention(
     slices = math.prod(batch_shape)
     if slices == 0:
         return NotImplemented
+    # A Python float keeps the inputs' dtype (NEP 50); a 0-d array is cast to it.
+    scale = scale if type(scale) is float else dtype.type(scale)
     if chunks is None and slices * n * m < PARALLEL_SCORES:  # within the budget: attnx planned no chunks
-        # A Python float keeps the dtype (NEP 50); a 0-d array is cast to it.
-        return _attend_small(query, key, value, scale if type(scale) is float else dtype.type(scale), is_causal)
+        return _attend_small(query, key, value, scale, is_causal)
     d_k, d_v = query.shape[-1], value.shape[-1]
     # (slices, n, d): a view where the layout allows, a copy where heads broadcast
     q = np.broadcast_to(query, (*batch_shape, n, d_k)).reshape(slices, n, d_k)
     k = np.broadcast_to(key, (*batch_shape, m, d_k)).reshape(slices, m, d_k)
     v = np.broadcast_to(value, (*batch_shape, m, d_v)).reshape(slices, m, d_v)
-    scale = dtype.type(scale)
     output = np.empty((slices, n, d_v), dtype=dtype)
     threads = backend.concurrent_blocks
     per_task, rows, key_chunk = plan(slices, n, m, dtype.itemsize, is_causal, threads, get_memory_budget())
