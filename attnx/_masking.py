@@ -237,12 +237,18 @@ def combine(
         padding = lengths_mask(xp, key_lengths, batch_shape, n, m, rows, cols)
         allowed = padding if allowed is None else allowed & padding
     if mask is not None:
-        mask = block(mask, rows, cols)
-        if mask.dtype == xp.bool:
-            allowed = mask if allowed is None else allowed & mask
-        else:
-            additive = xp.astype(mask, dtype) if mask.dtype != dtype else mask
+        return with_mask(xp, allowed, additive, block(mask, rows, cols), dtype)
     return allowed, additive
+
+
+def with_mask(xp: Any, allowed: Any, additive: Any, mask: Any, dtype: Any) -> tuple[Any, Any]:
+    """``(allowed, additive)`` with ``mask`` (boolean or real, or None) folded in."""
+    if mask is None:
+        return allowed, additive
+    if mask.dtype == xp.bool:
+        return (mask if allowed is None else allowed & mask), additive
+    mask = xp.astype(mask, dtype) if mask.dtype != dtype else mask
+    return allowed, (mask if additive is None else additive + mask)
 
 
 def allow_extra_keys(xp: Any, mask: Any, count: int) -> Any:

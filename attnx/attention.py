@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from attnx import _checks, _dispatch, _masking
+from attnx import _checks, _dispatch, _masking, blocks
 from attnx._config import get_memory_budget
 
 __all__ = ["masked_softmax", "scaled_dot_product_attention"]
@@ -556,16 +556,15 @@ def _row_attention(
     key_t = xp.matrix_transpose(key)
     d_v = value.shape[-1]
     # A column of ones after the values: one matrix product then yields both
-    # the weighted values and the row sums, saving a pass over the scores.
+    # the weighted values and the row sums of a block's state.
     ones = xp.ones((*value.shape[:-1], 1), dtype=value.dtype, device=device)
     value = xp.concat([value, ones], axis=-1)
 
     def attend_rows(r0: int) -> Any:
         r1 = min(n, r0 + query_chunk)
         q = query[..., r0:r1, :] * scale
-        row_max = acc = None
+        state = None
         for c0, c1, needs_causal in _key_blocks(m, r0, r1, offset, key_chunk, is_causal):
-            scores = q @ key_t[..., c0:c1]
             allowed, additive = _masking.combine(
                 xp,
                 mask=mask,
@@ -579,22 +578,11 @@ def _row_attention(
                 rows=(r0, r1),
                 cols=(c0, c1),
             )
-            weights, new_max = _masking.unnormalised_softmax(xp, scores, allowed, additive, row_max)
-            block_out = weights @ value[..., c0:c1, :]  # (..., rows, d_v + 1)
-            if acc is None:
-                acc = block_out
-            else:
-                # Rescale what was summed under the old shift to the new one.  Rows
-                # with nothing allowed so far hold zeros: their factor is exp(-inf) = 0
-                # (never exp of a huge number, which would give inf * 0 = NaN).
-                exponent = xp.where(
-                    row_max == -float("inf"), -float("inf"), row_max - _masking.finite_shift(xp, new_max)
-                )
-                acc = acc * xp.exp(exponent) + block_out
-            row_max = new_max
-        if acc is None:  # no key at all for these rows (causal with n > m)
+            weights, row_max = _masking.unnormalised_softmax(xp, q @ key_t[..., c0:c1], allowed, additive)
+            block = blocks.pack(xp, weights @ value[..., c0:c1, :], row_max)
+            state = block if state is None else blocks.combine(state, block, xp=xp)
+        if state is None:  # no key at all for these rows (causal with n > m)
             return xp.zeros((*batch_shape, r1 - r0, d_v), dtype=compute, device=device)
-        # Normalise the (rows, d_v) output, not the (rows, keys) weights.
-        return acc[..., :d_v] / _masking.nonzero_total(xp, acc[..., d_v:])
+        return blocks.finish(state, xp=xp)
 
     return attend_rows

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from attnx import _checks, _dispatch, _masking
+from array_api_compat import array_namespace
 
-__all__ = ["KERNELS", "nadaraya_watson"]
+from attnx import _checks, _dispatch, _masking, blocks
+
+__all__ = ["KERNELS", "finish_state", "kernel_state", "nadaraya_watson"]
 
 _NW = "nadaraya_watson"
 
@@ -124,15 +126,56 @@ def nadaraya_watson(
 def _nadaraya_watson_generic(
     xp: Any, *, queries: Any, keys: Any, values: Any, kernel: Any, bandwidth: Any, return_weights: bool
 ) -> Any:
+    if not return_weights:
+        return finish_state(
+            kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth, xp=xp), values, xp=xp
+        )
+    kernel_values, is_log = _kernel_values(xp, queries, keys, kernel, bandwidth)
+    if is_log:
+        weights = _masking.softmax(xp, kernel_values)
+    else:
+        weights = kernel_values / _masking.safe_total(xp, kernel_values)
+    estimate = weights @ values if values.ndim == 2 else xp.sum(weights * values, axis=-1)
+    return estimate, weights
+
+
+def _kernel_values(xp: Any, queries: Any, keys: Any, kernel: Any, bandwidth: Any) -> tuple[Any, bool]:
+    """The kernel ``(n, m)`` between queries and keys, and whether it is
+    given as its logarithm (the gaussian)."""
     if keys.ndim == 1:
         u = xp.abs(queries[:, None] - keys[None, :]) / bandwidth
     else:
         difference = queries[:, None, :] - keys[None, :, :]
         u = xp.sqrt(xp.sum(difference * difference, axis=-1)) / bandwidth
     if kernel == "gaussian":
-        weights = _masking.softmax(xp, _gaussian_log(xp, u))
-    else:
-        k = KERNELS[kernel](xp, u) if isinstance(kernel, str) else kernel(u)
-        weights = k / _masking.safe_total(xp, k)
-    estimate = weights @ values if values.ndim == 2 else xp.sum(weights * values, axis=-1)
-    return (estimate, weights) if return_weights else estimate
+        return _gaussian_log(xp, u), True
+    return (KERNELS[kernel](xp, u) if isinstance(kernel, str) else kernel(u)), False
+
+
+def kernel_state(
+    queries: Any, keys: Any, values: Any, *, kernel: Any = "gaussian", bandwidth: Any = 1.0, xp: Any = None
+) -> Any:
+    """The partial state (:mod:`attnx.blocks`) of Nadaraya-Watson regression
+    over some of the keys: states of disjoint keys combine, and
+    :func:`finish_state` gives the estimate.  For backends that split the
+    keys (a chunked training set); arguments as in :func:`nadaraya_watson`.
+
+    Returns
+    -------
+    array, shape (n, d_v + 2), with ``d_v = 1`` for values of shape ``(m,)``
+    """
+    xp = xp or array_namespace(queries, keys, values)
+    kernel_values, is_log = _kernel_values(xp, queries, keys, kernel, bandwidth)
+    columns = values if values.ndim == 2 else values[:, None]
+    return (
+        blocks.from_scores(kernel_values, columns, xp=xp)
+        if is_log
+        else blocks.from_weights(kernel_values, columns, xp=xp)
+    )
+
+
+def finish_state(state: Any, values: Any, *, xp: Any = None) -> Any:
+    """The estimate of a :func:`kernel_state`: ``(n, d_v)``, or ``(n,)`` for
+    values of shape ``(m,)``."""
+    estimate = blocks.finish(state, xp=xp or array_namespace(state))
+    return estimate if values.ndim == 2 else estimate[:, 0]

@@ -1,0 +1,178 @@
+"""Partial attention states: the online softmax as building blocks.
+
+For backends and users that cut attention their own way: over the chunks
+of a lazy array, over workers, over devices.  A *state* summarises what
+some queries gathered from some of the keys, as one array of shape
+``(..., n, d_v + 2)``:
+
+- ``state[..., :d_v]``: the values weighted by ``exp(score - max)``, summed;
+- ``state[..., d_v]``: the sum of those weights;
+- ``state[..., d_v + 1]``: ``max``, the largest score seen (``-inf`` where
+  every key so far was masked).
+
+States of disjoint sets of keys :func:`combine` associatively and
+commutatively, so the keys may be split in any way and the parts merged
+in any order or tree (Rabe and Staats 2021; the FlashAttention
+recurrence); :func:`finish` turns a state into the attention output.
+A query with nothing to attend ends with zeros, never NaN.
+
+Every function works on the arrays of any array API library (the blocks
+of a Dask array, say), and none reads an array's values.
+
+Examples
+--------
+>>> import numpy as np
+>>> from attnx import blocks
+>>> rng = np.random.default_rng(0)
+>>> q, k, v = rng.normal(size=(4, 8)), rng.normal(size=(6, 8)), rng.normal(size=(6, 3))
+>>> left = blocks.attend_block(q, k[:2], v[:2], scale=0.5)
+>>> right = blocks.attend_block(q, k[2:], v[2:], scale=0.5, offset=(0, 2), scores_shape=(4, 6))
+>>> whole = blocks.finish(blocks.combine(left, right))
+>>> bool(np.allclose(whole, blocks.finish(blocks.attend_block(q, k, v, scale=0.5))))
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from array_api_compat import array_namespace
+
+from attnx import _checks, _masking
+
+__all__ = ["attend_block", "combine", "combine_along", "finish", "from_scores", "from_weights", "pack"]
+
+
+def from_scores(scores: Any, value: Any, *, allowed: Any = None, additive: Any = None, xp: Any = None) -> Any:
+    """The state of ``softmax(scores) @ value`` before normalisation.
+
+    Parameters
+    ----------
+    scores : array, shape (..., n, m)
+        Real scores (logits); overwritten where its library allows it.
+    value : array, shape (..., m, d_v)
+    allowed : boolean array, optional
+        Broadcastable to ``scores``: ``False`` masks a key.
+    additive : array, optional
+        Broadcastable to ``scores``, added to them (``-inf`` masks).
+
+    Returns
+    -------
+    array, shape (..., n, d_v + 2)
+    """
+    xp = xp or array_namespace(scores, value)
+    exp_scores, row_max = _masking.unnormalised_softmax(xp, scores, allowed, additive)
+    total = xp.sum(exp_scores, axis=-1, keepdims=True)
+    return pack(xp, exp_scores @ value, total, row_max)
+
+
+def from_weights(weights: Any, value: Any, *, xp: Any = None) -> Any:
+    """The state of non-negative ``weights`` (a kernel's, say, not yet
+    normalised) over ``value``: as :func:`from_scores` of ``log(weights)``,
+    without the logarithm.  Shapes as in :func:`from_scores`."""
+    xp = xp or array_namespace(weights, value)
+    total = xp.sum(weights, axis=-1, keepdims=True)
+    return pack(xp, weights @ value, total, xp.zeros_like(total))
+
+
+def pack(xp: Any, weighted: Any, *columns: Any) -> Any:
+    """A state from its parts, concatenated on the last axis: the weighted
+    values ``(..., n, d_v)`` (or with the sum of the weights as their last
+    column already), then the sum ``(..., n, 1)`` if not, and the row maxima
+    ``(..., n, 1)``.  Parts broadcast to the leading shape of ``weighted``."""
+    leading = tuple(weighted.shape[:-1])
+    columns = tuple(c if tuple(c.shape[:-1]) == leading else xp.broadcast_to(c, (*leading, 1)) for c in columns)
+    return xp.concat([weighted, *columns], axis=-1)
+
+
+def attend_block(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    scale: Any,
+    mask: Any = None,
+    is_causal: bool = False,
+    offset: tuple[int, int] = (0, 0),
+    scores_shape: tuple[int, int] | None = None,
+    xp: Any = None,
+) -> Any:
+    """The state of a block of queries over a block of keys.
+
+    Parameters
+    ----------
+    query : array, shape (..., rows, d_k)
+    key : array, shape (..., cols, d_k)
+    value : array, shape (..., cols, d_v)
+        Half precision is computed in float32; the state is float32 then.
+    scale : float or 0-d array
+        Multiplies the scores.
+    mask : array, optional
+        This block's mask, broadcastable to ``(..., rows, cols)``: boolean
+        (``True`` attends) or real (added).
+    is_causal : bool
+        The causal mask of :func:`attnx.scaled_dot_product_attention`
+        (aligned to the end), at this block's place in the whole scores.
+    offset : (int, int)
+        The block's first query and first key in the whole scores.
+    scores_shape : (int, int), optional
+        ``(n, m)`` of the whole scores; the block's own by default.  Only
+        the causal mask needs the place and the whole.
+
+    Returns
+    -------
+    array, shape (..., rows, d_v + 2)
+        A block wholly in the causal future is never multiplied: its state
+        says that nothing was attended.
+    """
+    xp = xp or array_namespace(query, key, value)
+    compute = _checks.accumulation_dtype(xp, query.dtype)
+    if query.dtype != compute:
+        query, key, value = (xp.astype(a, compute) for a in (query, key, value))
+    rows, cols = query.shape[-2], key.shape[-2]
+    n, m = scores_shape if scores_shape is not None else (rows, cols)
+    (r0, c0), device = offset, _checks.device_of(query)
+    allowed = None
+    if is_causal:
+        if c0 > r0 + rows - 1 + (m - n):  # every key lies in every query's future
+            leading = _checks.leading_shape(query, key, value)
+            nothing = xp.zeros((*leading, rows, value.shape[-1] + 1), dtype=compute, device=device)
+            return xp.concat(
+                [nothing, xp.full((*leading, rows, 1), -float("inf"), dtype=compute, device=device)], axis=-1
+            )
+        allowed = _masking.causal(xp, n, m, device=device, rows=(r0, r0 + rows), cols=(c0, c0 + cols))
+    allowed, additive = _masking.with_mask(xp, allowed, None, mask, compute)
+    return from_scores((query * scale) @ xp.matrix_transpose(key), value, allowed=allowed, additive=additive, xp=xp)
+
+
+def combine(first: Any, second: Any, *, xp: Any = None) -> Any:
+    """The state of the union of two disjoint sets of keys (broadcasting)."""
+    xp = xp or array_namespace(first, second)
+    row_max = xp.maximum(first[..., -1:], second[..., -1:])
+    shift = _masking.finite_shift(xp, row_max)
+    # exp(-inf - shift) = 0: a part that attended nothing adds nothing (never NaN).
+    summed = first[..., :-1] * xp.exp(first[..., -1:] - shift) + second[..., :-1] * xp.exp(second[..., -1:] - shift)
+    return xp.concat([summed, xp.broadcast_to(row_max, (*summed.shape[:-1], 1))], axis=-1)
+
+
+def combine_along(states: Any, axis: int, *, keepdims: bool = False, xp: Any = None) -> Any:
+    """The combined state of the states stacked along ``axis`` (not the
+    last): a reduction, as for the partial results of a tree."""
+    xp = xp or array_namespace(states)
+    axis = axis % states.ndim
+    if axis == states.ndim - 1:
+        raise ValueError(f"combine_along: axis must not be the last (the state's own), got {axis}")
+    row_max = xp.max(states[..., -1:], axis=axis, keepdims=True)
+    factors = xp.exp(states[..., -1:] - _masking.finite_shift(xp, row_max))
+    summed = xp.sum(states[..., :-1] * factors, axis=axis, keepdims=True)
+    state = xp.concat([summed, row_max], axis=-1)
+    return state if keepdims else xp.squeeze(state, axis=axis)
+
+
+def finish(state: Any, *, dtype: Any = None, xp: Any = None) -> Any:
+    """The attention output ``(..., n, d_v)`` of a state: the weighted values
+    over the sum of the weights (zeros where nothing was attended), in
+    ``dtype`` (the state's by default)."""
+    xp = xp or array_namespace(state)
+    output = state[..., :-2] / _masking.nonzero_total(xp, state[..., -2:-1])
+    return output if dtype is None or output.dtype == dtype else xp.astype(output, dtype)
