@@ -86,8 +86,10 @@ def scaled_dot_product_attention(
     ``key``, ``value``, ``mask``, ``key_lengths``, ``is_causal``, ``scale``
     (a float, or a 0-d array in the computation's dtype), ``return_weights``,
     ``chunks`` (None, or the ``(query_chunk, key_chunk)`` per (batch, head)
-    slice the generic algorithm would use: ``chunk_size`` when given) and
-    ``batch_shape`` (the broadcast leading shape), after validation.
+    slice the generic algorithm would use: ``chunk_size`` when given),
+    ``batch_shape`` (the broadcast leading shape) and ``chunk_size`` (the
+    user's, None unless given: a native that honours it cuts its blocks so),
+    after validation.
     """
     chosen, reason = _dispatch.resolve(
         _SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths, _checks.scale_array(scale)), 3
@@ -116,6 +118,7 @@ def scaled_dot_product_attention(
             "return_weights": return_weights,
             "chunks": chunks,
             "batch_shape": batch_shape,
+            "chunk_size": chunk_size,
         },
         {"map_blocks": chosen.map_blocks, "concurrent_blocks": chosen.concurrent_blocks}
         if chunks is not None
@@ -261,10 +264,12 @@ def sdpa_generic(
     return_weights: bool,
     chunks: tuple[int, int] | None = None,
     batch_shape: tuple[int, ...] | None = None,
+    chunk_size: Any = None,
     map_blocks: Callable[..., list[Any]] | None = None,
     concurrent_blocks: int = 1,
 ) -> Any:
-    """The generic algorithm, array API only (inputs already validated)."""
+    """The generic algorithm, array API only (inputs already validated).
+    ``chunk_size`` is the user's, for natives: ``chunks`` carries it here."""
     n, m = query.shape[-2], key.shape[-2]
     if n == 0 or m == 0:  # no queries, or no key to attend: zeros, as for fully masked rows
         return _empty_attention(xp, query, key, value, batch_shape, return_weights)

@@ -10,6 +10,7 @@ operations.  See the "Writing a backend" guide in the README.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any
 
@@ -171,6 +172,13 @@ class Backend:
         (``jax.vmap``, ``torch.func.vmap``), or None where the library has no
         such map.  The conformance suite checks it equals the eager call on
         the whole batch."""
+        return None
+
+    def computations(self) -> AbstractContextManager[list[Any]] | None:
+        """For lazy libraries: a context manager that yields a list and adds
+        an entry to it for each computation the library starts inside it;
+        None for eager libraries (the default).  The conformance suite checks
+        that attnx builds lazy results without computing anything."""
         return None
 
     # -- native implementations ---------------------------------------------

@@ -40,7 +40,7 @@ from array_api_compat import array_namespace
 
 from attnx import _checks, _masking
 
-__all__ = ["attend_block", "combine", "combine_along", "finish", "from_scores", "from_weights", "pack"]
+__all__ = ["attend_block", "combine", "combine_along", "finish", "from_scores", "from_weights", "lengths_mask", "pack"]
 
 
 def from_scores(scores: Any, value: Any, *, allowed: Any = None, additive: Any = None, xp: Any = None) -> Any:
@@ -107,9 +107,9 @@ def attend_block(
         Half precision is computed in float32; the state is float32 then.
     scale : float or 0-d array
         Multiplies the scores.
-    mask : array, optional
-        This block's mask, broadcastable to ``(..., rows, cols)``: boolean
-        (``True`` attends) or real (added).
+    mask : array or tuple of arrays, optional
+        This block's masks, each broadcastable to ``(..., rows, cols)``:
+        boolean (``True`` attends) or real (added).  All apply.
     is_causal : bool
         The causal mask of :func:`attnx.scaled_dot_product_attention`
         (aligned to the end), at this block's place in the whole scores.
@@ -141,7 +141,9 @@ def attend_block(
                 [nothing, xp.full((*leading, rows, 1), -float("inf"), dtype=compute, device=device)], axis=-1
             )
         allowed = _masking.causal(xp, n, m, device=device, rows=(r0, r0 + rows), cols=(c0, c0 + cols))
-    allowed, additive = _masking.with_mask(xp, allowed, None, mask, compute)
+    additive = None
+    for one in mask if isinstance(mask, tuple) else (mask,):
+        allowed, additive = _masking.with_mask(xp, allowed, additive, one, compute)
     return from_scores((query * scale) @ xp.matrix_transpose(key), value, allowed=allowed, additive=additive, xp=xp)
 
 
@@ -176,3 +178,12 @@ def finish(state: Any, *, dtype: Any = None, xp: Any = None) -> Any:
     xp = xp or array_namespace(state)
     output = state[..., :-2] / _masking.nonzero_total(xp, state[..., -2:-1])
     return output if dtype is None or output.dtype == dtype else xp.astype(output, dtype)
+
+
+def lengths_mask(key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int, *, xp: Any = None) -> Any:
+    """``key_lengths``, in any layout :func:`attnx.scaled_dot_product_attention`
+    accepts, as a boolean mask broadcastable to ``(*batch_shape, n, m)``
+    (``True`` for keys ``j < length``): for backends that cut the masks into
+    blocks with the scores."""
+    xp = xp or array_namespace(key_lengths)
+    return _masking.lengths_mask(xp, key_lengths, tuple(batch_shape), n, m)

@@ -168,6 +168,7 @@ def _scaled_dot_product_attention(
     return_weights: bool,
     chunks: Any = None,
     batch_shape: Any = None,
+    chunk_size: Any = None,
 ) -> Any:
     # JAX's masked rows differ from attnx's (an average, not zeros), its
     # causal mask aligns to the start, and it returns no weights: decline all

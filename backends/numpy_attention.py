@@ -76,10 +76,12 @@ def scaled_dot_product_attention(
     return_weights: bool,
     chunks: tuple[int, int] | None = None,
     batch_shape: tuple[int, ...] | None = None,
+    chunk_size: Any = None,
     backend: Any,
 ) -> Any:
     """attnx's native entry point (see :meth:`attnx.Backend.implementations`);
-    ``backend`` (bound by it) runs the tasks on its threads."""
+    ``backend`` (bound by it) runs the tasks on its threads.  A ``chunk_size``
+    the user gave sets the rows and keys of each task (``chunks``)."""
     n, m = query.shape[-2], key.shape[-2]
     dtype = query.dtype
     if (
@@ -109,6 +111,8 @@ def scaled_dot_product_attention(
     output = np.empty((slices, n, d_v), dtype=dtype)
     threads = backend.concurrent_blocks
     per_task, rows, key_chunk = plan(slices, n, m, dtype.itemsize, is_causal, threads, get_memory_budget())
+    if chunk_size is not None:
+        (rows, key_chunk), per_task = chunks, 1
     key_t = k.transpose(0, 2, 1)  # a view: BLAS reads it transposed
     size = per_task * rows * key_chunk
 

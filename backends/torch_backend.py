@@ -113,6 +113,7 @@ def _scaled_dot_product_attention(
     return_weights: bool,
     chunks: Any = None,
     batch_shape: Any = None,
+    chunk_size: Any = None,
 ) -> Any:
     # PyTorch's fused kernels are memory-efficient themselves: ``chunks`` is moot.
     if return_weights:

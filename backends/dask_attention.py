@@ -1,0 +1,183 @@
+"""The Dask backend's natives: attention that follows the chunks.
+
+Each task attends one chunk of queries (with its chunks of batch and
+heads) over one chunk of keys and returns a partial state
+(:mod:`attnx.blocks`): ``(..., rows, d_v + 2)``.  The states of a row of
+key chunks are combined by ``dask.array.reduction``, a tree whose width is
+Dask's ``split_every``, and each combined state is finished into the
+output.  Tasks are pure functions of their chunks, named by Dask from what
+they compute (so a worker lost mid-way is recomputed elsewhere, with the
+same result).
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any
+
+from attnx import blocks
+from attnx.kernel_regression import kernel_state
+
+#: Index names of the leading (batch, head, ...) axes in ``dask.array.blockwise``.
+_BATCH = string.ascii_uppercase
+
+
+def scaled_dot_product_attention(
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: Any,
+    return_weights: bool,
+    chunks: Any = None,
+    batch_shape: Any = None,
+    chunk_size: Any = None,
+) -> Any:
+    if return_weights:
+        return NotImplemented  # the generic algorithm builds the (lazy) weights
+    n, m = query.shape[-2], key.shape[-2]
+    if n == 0 or m == 0:
+        return NotImplemented
+    import dask.array as da
+
+    ndim = len(batch_shape) + 2
+    batch = tuple(_BATCH[: len(batch_shape)])
+    query, key, value = (_leading_axes(a, ndim) for a in (query, key, value))
+    if chunk_size is not None:  # the user's blocks: chunks of queries and keys
+        query_chunk, key_chunk = chunks
+        query = query.rechunk({ndim - 2: query_chunk})
+        key, value = (a.rechunk({ndim - 2: key_chunk}) for a in (key, value))
+    value = value.rechunk({ndim - 1: -1})
+    arguments: list[Any] = [query, (*batch, "i", "k"), key, (*batch, "j", "k"), value, (*batch, "j", "e")]
+    masks = [] if key_lengths is None else [blocks.lengths_mask(key_lengths, batch_shape, n, m)]
+    masks += [] if mask is None else [mask]
+    for one in masks:
+        arguments += [_leading_axes(one, ndim), (*batch, "i", "j")]
+    if is_causal:  # each task learns its place from chunks of positions
+        arguments += [da.arange(n, chunks=(query.chunks[-2],)), ("i",), da.arange(m, chunks=(key.chunks[-2],)), ("j",)]
+    if not isinstance(scale, float):  # a 0-d array
+        arguments += [scale, ()]
+    compute = _compute_dtype(query.dtype)
+    partials = da.blockwise(
+        _attend,
+        (*batch, "i", "j", "e"),
+        *arguments,
+        adjust_chunks={"j": 1, "e": lambda size: size + 2},
+        concatenate=True,
+        dtype=compute,
+        meta=da.utils.meta_from_array(query, ndim=ndim + 1, dtype=compute),
+        token="attnx-sdpa-block",
+        mask_count=len(masks),
+        is_causal=is_causal,
+        scale=scale if isinstance(scale, float) else None,
+        scores_shape=(n, m) if is_causal else None,
+    )
+    return _finish(_combine_keys(partials, ndim - 1), query.dtype)
+
+
+def _attend(
+    query: Any,
+    key: Any,
+    value: Any,
+    *rest: Any,
+    mask_count: int,
+    is_causal: bool,
+    scale: float | None,
+    scores_shape: tuple[int, int] | None,
+) -> Any:
+    masks, rest = rest[:mask_count], rest[mask_count:]
+    offset = (0, 0)
+    if is_causal:
+        (rows, cols), rest = rest[:2], rest[2:]
+        offset = (int(rows[0]), int(cols[0])) if rows.shape[0] and cols.shape[0] else (0, 0)
+    if scale is None:
+        (scale,) = rest
+    state = blocks.attend_block(
+        query, key, value, scale=scale, mask=masks, is_causal=is_causal, offset=offset, scores_shape=scores_shape
+    )
+    return state[..., None, :]
+
+
+def nadaraya_watson(*, queries: Any, keys: Any, values: Any, kernel: Any, bandwidth: Any, return_weights: bool) -> Any:
+    if return_weights or queries.shape[0] == 0 or keys.shape[0] == 0:
+        return NotImplemented
+    import dask.array as da
+
+    features = ("k",) if keys.ndim == 2 else ()
+    columns = (values if values.ndim == 2 else values[:, None]).rechunk({1: -1})
+    arguments: list[Any] = [queries, ("i", *features), keys, ("j", *features), columns, ("j", "e")]
+    if not isinstance(bandwidth, float):  # a 0-d array
+        arguments += [bandwidth, ()]
+    compute = _compute_dtype(queries.dtype)
+    partials = da.blockwise(
+        _kernel_block,
+        ("i", "j", "e"),
+        *arguments,
+        adjust_chunks={"j": 1, "e": lambda size: size + 2},
+        concatenate=True,
+        dtype=compute,
+        meta=da.utils.meta_from_array(queries, ndim=3, dtype=compute),
+        token="attnx-nadaraya-watson-block",
+        kernel=kernel,
+        bandwidth=bandwidth if isinstance(bandwidth, float) else None,
+    )
+    estimate = _finish(_combine_keys(partials, 1), queries.dtype)
+    return estimate if values.ndim == 2 else estimate[:, 0]
+
+
+def _kernel_block(queries: Any, keys: Any, values: Any, *rest: Any, kernel: Any, bandwidth: float | None) -> Any:
+    if bandwidth is None:
+        (bandwidth,) = rest
+    return kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth)[:, None, :]
+
+
+def _combine_keys(partials: Any, axis: int) -> Any:
+    """The states of every key chunk combined: a tree reduction over ``axis``."""
+    import dask.array as da
+
+    return da.reduction(
+        partials,
+        chunk=_each,
+        combine=_combine,
+        aggregate=_combine,
+        axis=axis,
+        keepdims=False,
+        concatenate=True,
+        dtype=partials.dtype,
+        meta=da.utils.meta_from_array(partials, ndim=partials.ndim - 1),
+        name="attnx-combine",
+    )
+
+
+def _each(state: Any, axis: Any, keepdims: bool) -> Any:
+    return state  # one state per chunk already
+
+
+def _combine(states: Any, axis: Any, keepdims: bool) -> Any:
+    (axis,) = axis
+    return blocks.combine_along(states, axis, keepdims=keepdims)
+
+
+def _finish(state: Any, dtype: Any) -> Any:
+    """The output of each combined state, in the inputs' dtype."""
+    chunks = (*state.chunks[:-1], (state.shape[-1] - 2,))
+    return state.map_blocks(_finish_block, dtype=dtype, chunks=chunks, output_dtype=dtype, token="attnx-finish")
+
+
+def _finish_block(state: Any, output_dtype: Any) -> Any:
+    return blocks.finish(state, dtype=output_dtype)
+
+
+def _leading_axes(array: Any, ndim: int) -> Any:
+    """``array`` with size-1 axes in front up to ``ndim`` axes (blockwise
+    broadcasts them)."""
+    return array[(None,) * (ndim - array.ndim)] if array.ndim < ndim else array
+
+
+def _compute_dtype(dtype: Any) -> Any:
+    import numpy
+
+    return numpy.promote_types(dtype, numpy.float32)  # half precision computes in float32

@@ -1,0 +1,111 @@
+"""The Dask backend: lazy, chunked ``dask.array`` arrays, computed on the
+threads of one process or on a ``dask.distributed`` cluster.
+
+attnx's operations on Dask arrays return Dask arrays and compute nothing
+until the user asks (``.compute()``, ``attnx.to_numpy``); the checks that
+need values (``key_lengths`` within ``[0, m]``, a finite ``scale``) are
+skipped for them, as for traced arrays.  The chunks may hold NumPy arrays,
+or CuPy arrays on GPU workers: the tasks use the namespace of their chunks.
+
+The natives follow the chunks (:mod:`attnx_backends.dask_attention`): batch,
+head and query chunks are independent tasks, and chunks of the keys are
+reduced with the online-softmax combine (:mod:`attnx.blocks`) in a tree, so
+no task ever holds all the keys.  The number of tasks grows with the number
+of chunks, never with the number of rows.
+
+:func:`attnx.asarray` makes Dask arrays with ``chunks="auto"``, or with
+``$ATTNX_DASK_CHUNKS`` elements per chunk along every axis (an integer:
+the conformance suite runs with 1 and 2 to split every axis).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from attnx import Backend, hookimpl
+
+CHUNKS_ENV = "ATTNX_DASK_CHUNKS"
+
+
+class DaskBackend(Backend):
+    name = "dask"
+    array_module = "dask"
+    float_dtypes = ("float32", "float64", "float16")
+
+    _natives: Mapping[str, Callable[..., Any]] | None = None
+
+    def unavailable_reason(self) -> str | None:
+        if importlib.util.find_spec("dask") is None or importlib.util.find_spec("dask.array") is None:
+            return "dask is not installed (pip install 'attnx[dask]')"
+        return None
+
+    def version(self) -> str:
+        from importlib.metadata import version
+
+        return version("dask")
+
+    def namespace(self) -> Any:
+        import array_api_compat.dask.array
+
+        return array_api_compat.dask.array
+
+    @property
+    def chunks(self) -> int | str:
+        """How :meth:`asarray` chunks new arrays: ``$ATTNX_DASK_CHUNKS``
+        elements along every axis, else ``"auto"`` (Dask's default)."""
+        value = os.environ.get(CHUNKS_ENV, "").strip()
+        if not value or value == "auto":
+            return "auto"
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"${CHUNKS_ENV} must be 'auto' or a positive integer, got {value!r}")
+        return int(value)
+
+    def asarray(self, obj: Any, *, dtype: Any = None, device: Any = None) -> Any:
+        import dask.array as da
+        import numpy
+
+        if device not in (None, "cpu"):
+            raise ValueError(f"the dask backend makes arrays on the 'cpu' device only, got {device!r}")
+        if isinstance(obj, da.Array):
+            return obj if dtype is None else obj.astype(dtype)
+        data = numpy.asarray(obj, dtype=dtype)
+        chunks = self.chunks
+        return da.from_array(data, chunks=chunks if data.ndim else ())
+
+    def to_numpy(self, array: Any) -> Any:
+        import numpy
+
+        return numpy.asarray(array.compute() if hasattr(array, "compute") else array)
+
+    def computations(self) -> contextlib.AbstractContextManager[list[Any]]:
+        return _computations()
+
+    def implementations(self) -> Mapping[str, Callable[..., Any]]:
+        if self._natives is None:
+            from . import dask_attention
+
+            self._natives = {
+                "scaled_dot_product_attention": dask_attention.scaled_dot_product_attention,
+                "nadaraya_watson": dask_attention.nadaraya_watson,
+            }
+        return self._natives
+
+
+@contextlib.contextmanager
+def _computations() -> Iterator[list[Any]]:
+    """Each graph that Dask's local schedulers start computing inside the
+    block, as an entry of the yielded list."""
+    from dask.callbacks import Callback
+
+    started: list[Any] = []
+    with Callback(start=lambda graph: started.append(len(graph))):
+        yield started
+
+
+@hookimpl
+def attnx_backends() -> list[Backend]:
+    return [DaskBackend()]
