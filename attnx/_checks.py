@@ -149,8 +149,37 @@ def require_same_dtype(operation: str, names: tuple[str, ...], arrays: tuple[Any
             )
 
 
+def is_unknown(size: Any) -> bool:
+    """Whether an array's size along an axis is unknown until it is computed:
+    ``None`` (the standard's spelling) or NaN (Dask's, after a boolean
+    selection)."""
+    return size is None or (isinstance(size, float) and size != size)
+
+
+def known(*sizes: Any) -> bool:
+    """Whether every size is known (see :func:`is_unknown`).  Checks compare
+    sizes only when they are: an unknown size agrees with anything."""
+    return not any(is_unknown(size) for size in sizes)
+
+
+def require_known(operation: str, needed_by: str, named: dict[str, Any], axes: tuple[int, ...] | None = None) -> None:
+    """A ValueError naming the first array of ``named`` with an unknown size
+    (see :func:`is_unknown`) along ``axes`` (all by default), the axis, and
+    what needs it."""
+    for name, array in named.items():
+        if array is None:
+            continue
+        for axis in range(array.ndim) if axes is None else axes:
+            if is_unknown(array.shape[axis]):
+                raise ValueError(
+                    f"{operation}: {name} has an unknown size along axis {axis} (shape {shape_of(array)}), "
+                    f"which {needed_by} needs; compute the sizes first (Dask: {name}.compute_chunk_sizes())"
+                )
+
+
 def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
-    """Broadcast shapes, or a ValueError naming the arguments that clash."""
+    """Broadcast shapes, or a ValueError naming the arguments that clash.
+    An unknown size (:func:`is_unknown`) stays unknown and clashes with none."""
     shapes = list(named_shapes.values())
     first = shapes[0]
     if all(shape == first for shape in shapes):
@@ -160,6 +189,10 @@ def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]]) -> tuple
     for shape in shapes:
         for axis, size in enumerate(shape, start=ndim - len(shape)):
             if size != 1:
+                if not known(size, result[axis]):  # keep the size that is known, if one is
+                    if known(size) or result[axis] == 1:
+                        result[axis] = size
+                    continue
                 if result[axis] not in (1, size):
                     described = ", ".join(f"{name} {tuple(s)}" for name, s in named_shapes.items())
                     raise ValueError(f"{operation}: shapes do not broadcast: {described}")

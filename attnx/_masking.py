@@ -352,7 +352,7 @@ def safe_total(xp: Any, exp_scores: Any, masked: bool = True) -> Any:
 def softmax(xp: Any, scores: Any, allowed: Any = None, additive: Any = None, owned: bool = True) -> Any:
     """Stable softmax over the last axis with masks; fully masked rows give
     zeros.  ``scores`` may be overwritten unless ``owned=False``."""
-    if scores.shape[-1] == 0:  # nothing to normalise (a maximum of nothing is undefined)
+    if 0 in tuple(scores.shape):  # nothing to normalise (a maximum of nothing is undefined; Dask won't take one)
         return scores
     exp_scores, _ = unnormalised_softmax(xp, scores, allowed, additive, owned=owned)
     total = safe_total(xp, exp_scores, allowed is not None or additive is not None)

@@ -98,6 +98,8 @@ def scaled_dot_product_attention(
     if is_causal is not False or return_weights is not False:  # the common call skips the checks
         _checks.require_flag(_SDPA, "is_causal", is_causal)
         _checks.require_flag(_SDPA, "return_weights", return_weights)
+        if is_causal:
+            _checks.require_known(_SDPA, "is_causal", {"query": query, "key": key})
     scale, batch_shape, n, m = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
     chunks = choose_chunks(
         xp, query.dtype, n, m, batch_shape, chunk_size, return_weights, is_causal, chosen.concurrent_blocks
@@ -184,6 +186,8 @@ def choose_chunks(
         return None
     slices = math.prod(batch_shape)
     scores = slices * n * m
+    if scores != scores:  # unknown sizes (NaN: a lazy array's): no plan, the array's own chunks decide
+        return None
     shared = concurrent_blocks > 1 and scores >= PARALLEL_SCORES
     budget = get_memory_budget()
     if scores * 8 <= budget and not shared:  # fits even in float64: the common, cheap case
@@ -239,14 +243,17 @@ def check_attention_inputs(
         _checks.require_same_dtype(operation, ("query", "key", "value"), (query, key, value))
     n, d_k = q_shape[-2], q_shape[-1]
     m = k_shape[-2]
-    if k_shape[-1] != d_k:
+    if k_shape[-1] != d_k and _checks.known(k_shape[-1], d_k):
         raise ValueError(f"{operation}: key must have shape (..., m, d_k) with d_k = {d_k} (from query), got {k_shape}")
-    if v_shape[-2] != m:
+    if v_shape[-2] != m and _checks.known(v_shape[-2], m):
         raise ValueError(f"{operation}: value must have shape (..., m, d_v) with m = {m} (from key), got {v_shape}")
     batch_shape = q_shape[:-2]
     if not batch_shape == k_shape[:-2] == v_shape[:-2]:
         batch_shape = _checks.broadcast(operation, {"query": batch_shape, "key": k_shape[:-2], "value": v_shape[:-2]})
     if mask is not None or key_lengths is not None:
+        _checks.require_known(
+            operation, "a mask", {"query": query, "key": key, "value": value, "mask": mask, "key_lengths": key_lengths}
+        )
         _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, n, m)
     return _checks.require_scale(operation, xp, scale, d_k, dtype), batch_shape, n, m
 

@@ -91,7 +91,9 @@ def nadaraya_watson(
         raise ValueError(
             f"{_NW}: queries must have shape {layout} to match keys {_checks.shape_of(keys)}, got {_checks.shape_of(queries)}"
         )
-    if values.ndim not in (1, 2) or values.shape[0] != keys.shape[0]:
+    if values.ndim not in (1, 2) or (
+        values.shape[0] != keys.shape[0] and _checks.known(values.shape[0], keys.shape[0])
+    ):
         raise ValueError(
             f"{_NW}: values must have shape ({keys.shape[0]},) or ({keys.shape[0]}, d_v), got {_checks.shape_of(values)}"
         )

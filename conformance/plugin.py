@@ -221,6 +221,12 @@ class BackendUnderTest:
     def numpy(self, array: Any) -> Any:
         return self.backend.to_numpy(array)
 
+    @property
+    def lazy(self) -> bool:
+        """Whether the arrays it makes are lazy (their values can't be read
+        before computing): the checks of values are then skipped by design."""
+        return not self.backend.is_concrete(self.array([0.0], "float32"))
+
     def dtype_name(self, array: Any) -> str:
         """``"float32"`` for every library's float32 (attnx's one dtype label)."""
         from attnx._checks import dtype_name

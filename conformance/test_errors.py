@@ -39,6 +39,8 @@ CASES = [
     ("lengths too large", {"key_lengths": (np.array([5, 6]), None)}, ValueError, ["key_lengths", "[0, m]", "6"]),
     ("negative lengths", {"key_lengths": (np.array([-1, 2]), None)}, ValueError, ["key_lengths", "-1"]),
 ]
+#: Cases found by reading values: lazy arrays' values are not read (that would compute them).
+VALUE_CASES = {"lengths too large", "negative lengths"}
 
 
 def _build(be, spec):
@@ -53,6 +55,8 @@ def _build(be, spec):
 
 @pytest.mark.parametrize("description, overrides, exception, words", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_raises(attnx_backend, description, overrides, exception, words):
+    if description in VALUE_CASES and attnx_backend.lazy:
+        pytest.skip("lazy arrays' values are read only when computed: attnx doesn't check them")
     specs = {**GOOD, **overrides}
     arrays = {name: _build(attnx_backend, spec) for name, spec in specs.items()}
     with pytest.raises(exception) as info:
