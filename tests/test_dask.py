@@ -1,0 +1,131 @@
+"""The Dask backend's own promises: work follows the chunks, unknown sizes.
+
+The conformance suite proves its values and its laziness; these tests
+check how the graph is cut, against float64 NumPy references.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnx
+
+da = pytest.importorskip("dask.array")
+from dask.core import get_dependencies  # noqa: E402
+
+
+def _reference(query, key, value, is_causal=False):
+    scores = query @ np.swapaxes(key, -1, -2) / np.sqrt(query.shape[-1])
+    if is_causal:
+        n, m = scores.shape[-2:]
+        scores = np.where(np.arange(m)[None, :] <= np.arange(n)[:, None] + (m - n), scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights / weights.sum(axis=-1, keepdims=True)) @ value
+
+
+def _inputs(shape_q, shape_k, d_v, seed=0):
+    gen = np.random.default_rng(seed)
+    return gen.standard_normal(shape_q), gen.standard_normal(shape_k), gen.standard_normal((*shape_k[:-1], d_v))
+
+
+def _tasks(array):
+    return len(dict(array.__dask_graph__()))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_tasks_grow_with_chunks_not_rows(is_causal):
+    counts = []
+    for n in (64, 512):
+        q, k, v = _inputs((4, 2, n, 8), (4, 2, n, 8), 8)
+        lazy = [da.from_array(a, chunks=(2, 2, n // 4, 8)) for a in (q, k, v)]
+        output = attnx.scaled_dot_product_attention(*lazy, is_causal=is_causal)
+        counts.append(_tasks(output))
+        np.testing.assert_allclose(output.compute(), _reference(q, k, v, is_causal), rtol=1e-10, atol=1e-12)
+    assert counts[0] == counts[1]
+
+
+def test_a_batch_in_eight_chunks_is_a_small_graph():
+    # The issue's case: (64, 8, 1024, 64) in 8 batch chunks once made 79,985 tasks.
+    shape = (64, 8, 1024, 64)
+    lazy = [da.zeros(shape, chunks=(8, 8, 1024, 64), dtype="float32") for _ in range(3)]
+    output = attnx.scaled_dot_product_attention(*lazy)
+    assert output.chunks[0] == (8,) * 8
+    assert _tasks(output) <= 8 * 8  # inputs, blocks, combine and finish: a few per batch chunk
+
+
+def test_keys_split_over_chunks_are_combined_in_a_tree():
+    q, k, v = _inputs((1, 16, 8), (1, 4096, 8), 4, seed=1)
+    output = attnx.scaled_dot_product_attention(
+        da.from_array(q), da.from_array(k, chunks=(1, 128, 8)), da.from_array(v, chunks=(1, 128, 4))
+    )
+    graph = dict(output.__dask_graph__())
+    # A tree over the 32 key chunks: no task waits on more than a few others
+    # (one holding them all would gather every key in one place).
+    fan_in = max(len(get_dependencies(graph, name)) for name in graph)
+    assert fan_in <= 8
+    np.testing.assert_allclose(output.compute(), _reference(q, k, v), rtol=1e-10, atol=1e-12)
+
+
+def test_chunk_size_sets_the_chunks():
+    q, k, v = _inputs((2, 100, 8), (2, 90, 8), 8, seed=2)
+    output = attnx.scaled_dot_product_attention(*(da.from_array(a) for a in (q, k, v)), chunk_size=(32, 40))
+    assert output.chunks[1] == (32, 32, 32, 4)
+    np.testing.assert_allclose(output.compute(), _reference(q, k, v), rtol=1e-10, atol=1e-12)
+
+
+def test_unknown_sizes_where_the_plan_does_not_need_them():
+    q, k, v = _inputs((6, 10, 8), (6, 12, 8), 5, seed=3)
+    lazy = [da.from_array(a, chunks=(2, 3, 8)) for a in (q, k, v)]
+    sequences = np.array([1, 0, 1, 1, 0, 1], bool)
+    picked = [a[da.from_array(sequences, chunks=2)] for a in lazy]
+    output = attnx.scaled_dot_product_attention(*picked)
+    assert np.isnan(output.shape[0])
+    np.testing.assert_allclose(output.compute(), _reference(q[sequences], k[sequences], v[sequences]), rtol=1e-10)
+    keys = np.arange(12) % 4 > 0
+    lazy_keys = da.from_array(keys, chunks=3)
+    output = attnx.scaled_dot_product_attention(lazy[0], lazy[1][:, lazy_keys], lazy[2][:, lazy_keys])
+    np.testing.assert_allclose(output.compute(), _reference(q, k[:, keys], v[:, keys]), rtol=1e-10)
+    gen = np.random.default_rng(4)
+    train_x, queries = gen.standard_normal(40), np.linspace(-1, 1, 5)
+    train_y = np.sin(train_x)
+    selected = train_x > 0
+    lazy_selected = da.from_array(selected, chunks=10)
+    estimate = attnx.nadaraya_watson(
+        da.from_array(queries),
+        da.from_array(train_x, chunks=10)[lazy_selected],
+        da.from_array(train_y, chunks=10)[lazy_selected],
+    )
+    expected = attnx.nadaraya_watson(queries, train_x[selected], train_y[selected])
+    np.testing.assert_allclose(estimate.compute(), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, is_causal=True), ["key", "axis 1", "is_causal"]),
+        (
+            lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, key_lengths=da.from_array(np.arange(6))),
+            ["key", "axis 1", "mask"],
+        ),
+        (lambda q, k, v: attnx.causal_conv1d(k, da.ones((2, 8, 3))), ["x", "axis 1", "padding"]),
+    ],
+)
+def test_unknown_sizes_where_they_are_needed_are_named(call, words):
+    q, k, v = (da.from_array(a, chunks=(2, 3, 8)) for a in _inputs((6, 10, 8), (6, 12, 8), 8))
+    keys = da.from_array(np.arange(12) % 4 > 0, chunks=3)
+    with pytest.raises(ValueError, match="compute_chunk_sizes") as info:
+        call(q, k[:, keys], v[:, keys])
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_kernel_regression_over_many_chunks_of_training_data():
+    gen = np.random.default_rng(5)
+    size = 1_000_000
+    train_x = da.random.default_rng(6).standard_normal(size, chunks=100_000)
+    train_y = da.sin(train_x) + 0.1 * da.random.default_rng(7).standard_normal(size, chunks=100_000)
+    queries = np.sort(gen.uniform(-2, 2, 16))
+    estimate = attnx.nadaraya_watson(da.from_array(queries, chunks=8), train_x, train_y, bandwidth=0.05)
+    assert _tasks(estimate) < 120  # per chunk of data, not per point
+    np.testing.assert_allclose(estimate.compute(), np.sin(queries), atol=0.05)
