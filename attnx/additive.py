@@ -51,6 +51,12 @@ def additive_attention(
     -----
     The ``(..., n, m, h)`` intermediate is never held whole: queries are
     processed in chunks of at most :data:`CHUNK_ELEMENTS` elements.
+
+    Native implementations (:meth:`attnx.Backend.implementations`) are
+    called with the keyword arguments ``query``, ``key``, ``value``,
+    ``params``, ``mask``, ``key_lengths`` and ``return_weights``
+    (:func:`bahdanau_context` calls it too, with one query per sequence),
+    after validation.
     """
     names = ("query", "key", "value", "mask", "key_lengths", "params['w_q']", "params['w_k']", "params['w_v']")
     getter = params.get if isinstance(params, Mapping) else (lambda name: None)

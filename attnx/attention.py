@@ -370,6 +370,12 @@ def masked_softmax(
     array, same shape and dtype as ``scores``
         Non-negative, summing to one along ``axis``; all zeros on a row
         where every entry is masked.
+
+    Notes
+    -----
+    Native implementations (:meth:`attnx.Backend.implementations`) are
+    called with the keyword arguments ``scores``, ``mask``, ``key_lengths``
+    and ``axis`` (made non-negative), after validation.
     """
     operation = "masked_softmax"
     chosen, reason = _dispatch.resolve(

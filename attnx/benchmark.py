@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,13 @@ class Case:
     repeat: int = 5
     device: str | None = None
     threads: int | None = None
+    #: Dask only: run on a local cluster of this many single-threaded worker processes.
+    workers: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The implementation as reports name it: ``attnx:dask (2 workers)``."""
+        return self.implementation + (f" ({self.workers} workers)" if self.workers else "")
 
     @property
     def flops(self) -> float:
@@ -125,11 +132,45 @@ def _inputs(case: Case) -> tuple[Any, Any, Any, Any, Callable[[], None]]:
 
         converted = [keras.ops.convert_to_tensor(a, dtype=case.dtype) for a in arrays]
         return (*converted, keras, lambda: None)
+    if library == "dask":
+        import dask.array as da
+
+        # One chunk per batch entry: the batch is the axis the work spreads over.
+        chunked = [da.from_array(a, chunks=(1, *a.shape[1:])) for a in arrays]
+        if case.workers:  # the inputs live on the workers, as a cluster's users keep them
+            import distributed
+
+            chunked = _local_cluster(case.workers).persist(chunked)
+            distributed.wait(chunked)
+        return (*chunked, None, lambda: None)
     import attnx
 
     converted = [attnx.asarray(a, backend=library) for a in arrays]
     backend = attnx._registry.get(library)
     return (*converted, None, backend.synchronize)
+
+
+def _local_cluster(workers: int) -> Any:
+    """A client of a new ``LocalCluster`` on loopback: ``workers`` processes of
+    one thread each (their nannies hold BLAS to one thread), closed when this
+    process exits."""
+    import atexit
+    import logging
+
+    import distributed
+
+    cluster = distributed.LocalCluster(
+        n_workers=workers,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=None,
+        silence_logs=logging.ERROR,
+    )
+    client = distributed.Client(cluster)
+    atexit.register(cluster.close)
+    atexit.register(client.close)
+    return client
 
 
 def _library(case: Case) -> str:
@@ -224,6 +265,8 @@ def _as_users_run(backend: str, function: Callable[..., Any], *arrays: Any) -> C
 
         jitted = jax.jit(function)
         return lambda: jitted(*arrays).block_until_ready()
+    if backend == "dask":  # the graph is built and computed: Dask's users call .compute()
+        return lambda: function(*arrays).compute()
     return lambda: function(*arrays)
 
 
@@ -307,7 +350,7 @@ def run_case(case: Case, what: str = "both") -> Result:
         function, sync = _callable(case)
         function()  # warm-up: lazy imports, kernel selection, allocator growth
         sync()
-        if what in ("memory", "both"):
+        if what in ("memory", "both") and not case.workers:  # a cluster's memory is its workers'
             result.peak_bytes = _peak_extra_bytes(function, sync, case)
         if what == "memory":
             return result
@@ -399,8 +442,11 @@ def plan(
     baselines: Sequence[str],
     device: str | None = None,
     threads: int | None = None,
+    dask_workers: Sequence[int] = (),
 ) -> list[Case]:
-    """Every case of a sweep; ``batch`` and ``head_dim`` may list several values."""
+    """Every case of a sweep; ``batch`` and ``head_dim`` may list several
+    values.  With ``dask_workers``, the Dask backend runs once on a local
+    cluster of each of those many workers instead of in this process."""
     batches = [batch] if isinstance(batch, int) else list(batch)
     head_dims = [head_dim] if isinstance(head_dim, int) else list(head_dim)
     cases = []
@@ -412,7 +458,11 @@ def plan(
                     if operation in ("sdpa", "sdpa_causal"):
                         implementations += list(baselines)
                     for implementation in implementations:
-                        cases.append(Case(implementation, operation, b, heads, n, d, dtype, repeat, device, threads))
+                        case = Case(implementation, operation, b, heads, n, d, dtype, repeat, device, threads)
+                        if implementation == "attnx:dask" and dask_workers:
+                            cases += [replace(case, workers=workers) for workers in dask_workers]
+                        else:
+                            cases.append(case)
     return cases
 
 
@@ -438,7 +488,7 @@ def sweep(cases: Sequence[Case]) -> list[Result]:
         progress.start()
     try:
         for index, case in enumerate(cases, 1):
-            label = f"{case.operation} {case.implementation} n={case.n}"
+            label = f"{case.operation} {case.label} n={case.n}"
             if progress is not None:
                 progress.update(task, description=label)
             else:
@@ -470,9 +520,9 @@ def ratios(results: Sequence[Result]) -> dict[int, float | None]:
 def grid_rows(results: Sequence[Result], baseline: str = GRID_BASELINE) -> tuple[list[str], list[tuple[str, ...]]]:
     """Headers and rows of the grid report: for each shape, every other
     implementation's time over ``baseline``'s, full and causal side by side."""
-    times = {(r.case.implementation, r.case.operation, _shape(r.case)): r.median_s for r in results}
+    times = {(r.case.label, r.case.operation, _shape(r.case)): r.median_s for r in results}
     shapes = list(dict.fromkeys(_shape(r.case) for r in results))
-    others = [i for i in dict.fromkeys(r.case.implementation for r in results) if i != baseline]
+    others = [i for i in dict.fromkeys(r.case.label for r in results) if i != baseline]
     operations = [op for op in ("sdpa", "sdpa_causal") if any(r.case.operation == op for r in results)]
     headers = ["shape (B, H, n, d)", "dtype"]
     headers += [f"{i} {'causal' if op == 'sdpa_causal' else 'full'}" for i in others for op in operations]
@@ -521,13 +571,13 @@ def table_rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
         c = r.case
         shape = f"({c.batch}, {c.heads}, {c.n}, {c.head_dim})"
         if r.error:
-            rows.append((c.operation, c.implementation, shape, c.dtype, "error", "", "", r.error[:60]))
+            rows.append((c.operation, c.label, shape, c.dtype, "error", "", "", r.error[:60]))
             continue
         dtype = measured_dtype(c)
         rows.append(
             (
                 c.operation,
-                c.implementation,
+                c.label,
                 shape,
                 dtype if dtype == c.dtype else f"{dtype} (asked {c.dtype}: NumPy has none)",
                 f"{r.median_s * 1e3:.2f}",
@@ -563,6 +613,15 @@ def markdown(results: Sequence[Result], command: str, grid: bool = False) -> str
             *_markdown_table(grid_headers, grid_table),
             "",
         ]
+    clustered = cluster_rows(results)
+    if clustered:
+        ratio_section += [
+            "Dask on a local cluster (single-threaded worker processes, one chunk per batch entry; "
+            "times include building the graph):",
+            "",
+            *_markdown_table(CLUSTER_HEADERS, clustered),
+            "",
+        ]
     return "\n".join(
         [
             f"Command: `{command}`",
@@ -592,7 +651,7 @@ def _series(results: Sequence[Result], value: str = "time") -> dict[tuple[str, s
     for r in results:
         measured = r.median_s if value == "time" else (r.peak_bytes / 2**20 if r.peak_bytes is not None else None)
         if measured:
-            line = r.case.implementation + (f" B={r.case.batch} d={r.case.head_dim}" if several else "")
+            line = r.case.label + (f" B={r.case.batch} d={r.case.head_dim}" if several else "")
             series.setdefault((r.case.operation, line), []).append((r.case.n, measured))
     return series
 
@@ -648,8 +707,39 @@ def plot(results: Sequence[Result], folder: Path) -> list[Path]:
     return written
 
 
+def cluster_rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
+    """For Dask on local clusters: each shape's time per number of workers,
+    and the speed-up over the fewest workers measured (same run)."""
+    clustered = [r for r in results if r.case.workers and r.median_s]
+    rows = []
+    for operation, shape in dict.fromkeys((r.case.operation, _shape(r.case)) for r in clustered):
+        same = sorted(
+            (r for r in clustered if (r.case.operation, _shape(r.case)) == (operation, shape)),
+            key=lambda r: r.case.workers,
+        )
+        base = same[0]
+        for r in same:
+            rows.append(
+                (
+                    operation,
+                    f"({r.case.batch}, {r.case.heads}, {r.case.n}, {r.case.head_dim})",
+                    str(r.case.workers),
+                    f"{r.median_s * 1e3:.1f}",
+                    f"{base.median_s / r.median_s:.2f}x over {base.case.workers}",
+                )
+            )
+    return rows
+
+
+CLUSTER_HEADERS = ("operation", "shape (B, H, n, d)", "workers", "median ms", "speed-up")
+
+
 def print_table(results: Sequence[Result], grid: bool = False) -> None:
     print(format_table(HEADERS, table_rows(results)))
+    clustered = cluster_rows(results)
+    if clustered:
+        print("\nDask on a local cluster (single-threaded worker processes, one chunk per batch entry):")
+        print(format_table(CLUSTER_HEADERS, clustered))
     if grid:
         headers, rows = grid_rows(results)
         print(f"\ntime over {GRID_BASELINE}'s, same run (below 1 = faster):")

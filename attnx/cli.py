@@ -191,6 +191,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.parser.error(
             f"argument --grid: its report is the ratio to {GRID_BASELINE}, which needs {BASELINES[GRID_BASELINE]} installed"
         )
+    if args.dask_workers and "dask" not in args.backends:
+        args.parser.error("argument --dask-workers: it runs the dask backend; add dask to --backends")
+    if args.dask_workers and importlib.util.find_spec("distributed") is None:
+        args.parser.error("argument --dask-workers: it needs dask.distributed (pip install 'attnx[dask]')")
     _check_bench_arguments(args)
     from pathlib import Path
 
@@ -220,6 +224,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         baselines=baselines,
         device=args.device,
         threads=args.threads,
+        dask_workers=args.dask_workers or (),
     )
     results = benchmark.sweep(cases)
     benchmark.print_table(results, grid=args.grid)
@@ -362,6 +367,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-baselines",
         action="store_true",
         help="skip the baselines (textbook NumPy; PyTorch and JAX SDPA where installed)",
+    )
+    bench.add_argument(
+        "--dask-workers",
+        nargs="+",
+        type=_positive_int,
+        default=None,
+        metavar="W",
+        help="run the dask backend on local clusters of W single-threaded worker processes each "
+        "(e.g. 1 2), reporting the speed-up; needs dask in --backends and dask.distributed",
     )
     bench.add_argument("--out", default="attnx-bench", help="folder for results.md, results.json and plots")
     bench.set_defaults(run=cmd_bench)

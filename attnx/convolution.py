@@ -32,6 +32,12 @@ def causal_conv1d(
     Returns
     -------
     array, shape (..., c_out, ceil(length / stride))
+
+    Notes
+    -----
+    Native implementations (:meth:`attnx.Backend.implementations`) are
+    called with the keyword arguments ``x``, ``weight``, ``bias``,
+    ``stride`` and ``dilation``, after validation.
     """
     chosen, reason = _dispatch.resolve(_CONV, backend, ("x", "weight", "bias"), (x, weight, bias), 2)
     xp = chosen.xp

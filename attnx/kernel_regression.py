@@ -73,6 +73,11 @@ def nadaraya_watson(
     Notes
     -----
     A query that no key reaches (compact kernels) gets zeros, never NaN.
+
+    Native implementations (:meth:`attnx.Backend.implementations`) are
+    called with the keyword arguments ``queries``, ``keys``, ``values``,
+    ``kernel`` (a name or the callable), ``bandwidth`` (a float or a 0-d
+    array) and ``return_weights``, after validation.
     """
     names = ("queries", "keys", "values", "bandwidth")
     bandwidth_array = None if isinstance(bandwidth, (int, float)) else bandwidth  # a number needs no backend

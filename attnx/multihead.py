@@ -89,6 +89,16 @@ def multi_head_attention(
     output : array, shape (..., n, d_model)
     weights : array, shape (..., n, m) or (..., h, n, m)
         Only with ``return_weights=True``.
+
+    Notes
+    -----
+    Native implementations (:meth:`attnx.Backend.implementations`) are
+    called with the keyword arguments ``query``, ``key``, ``value``,
+    ``params``, ``layout``, ``mask``, ``mask_per_head``, ``key_lengths``,
+    ``is_causal``, ``return_weights``, ``average_weights``,
+    ``add_zero_attn`` and ``chunk_size`` (the user's), after validation.
+    The generic algorithm's attention goes through
+    :func:`attnx.scaled_dot_product_attention`, natives included.
     """
     entries = _WEIGHTS + _BIASES + _EXTRA_KV
     arrays = (

@@ -43,6 +43,13 @@ def sinusoidal_positions(
     -------
     array, shape (num_positions, dim)
         float32 by default; computed in float64 where the backend has it.
+
+    Notes
+    -----
+    Native implementations (:meth:`attnx.Backend.implementations`) are
+    called with the keyword arguments ``num_positions``, ``dim``, ``base``,
+    ``dtype`` (a name, or None) and ``device`` (in the library's terms),
+    after validation.
     """
     op = "sinusoidal_positions"
     num_positions = _checks.require_positive_int(op, "num_positions", num_positions, allow_zero=True)
@@ -98,6 +105,12 @@ def apply_rotary(x: Any, positions: Any = None, *, base: float = 10000.0, backen
     Returns
     -------
     array, same shape, dtype and device as ``x``
+
+    Notes
+    -----
+    Native implementations (:meth:`attnx.Backend.implementations`) are
+    called with the keyword arguments ``x``, ``positions`` and ``base``,
+    after validation.
     """
     op = "apply_rotary"
     chosen, reason = _dispatch.resolve(op, backend, ("x", "positions"), (x, positions), 1)
