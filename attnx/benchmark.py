@@ -240,32 +240,38 @@ def _callable(case: Case) -> tuple[Callable[[], Any], Callable[[], None]]:
     backend = _library(case)
     if case.operation in ("sdpa", "sdpa_causal"):
         return _as_users_run(
-            backend, lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, is_causal=causal), q, k, v
+            case, lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, is_causal=causal), q, k, v
         ), sync
     d_model = case.heads * case.head_dim
     x = attnx.asarray(attnx.to_numpy(q).transpose(0, 2, 1, 3).reshape(case.batch, case.n, d_model), backend=backend)
     if case.operation == "multi_head_attention":
         params = attnx.init_multi_head_params(d_model, case.heads, dtype=case.dtype, backend=backend)
-        return _as_users_run(
-            backend, lambda x: attnx.multi_head_attention(x, x, x, params, num_heads=case.heads), x
-        ), sync
+        return _as_users_run(case, lambda x: attnx.multi_head_attention(x, x, x, params, num_heads=case.heads), x), sync
     if case.operation == "additive_attention":
         params = attnx.init_multi_head_params(d_model, 1, d_k=case.head_dim, dtype=case.dtype, backend=backend)
         additive = {"w_q": params["w_q"], "w_k": params["w_k"], "w_v": params["b_q"] + 0.1}
-        return _as_users_run(backend, lambda x: attnx.additive_attention(x, x, x, additive), x), sync
+        return _as_users_run(case, lambda x: attnx.additive_attention(x, x, x, additive), x), sync
     raise ValueError(f"unknown operation {case.operation!r}; choose from {OPERATIONS}")
 
 
-def _as_users_run(backend: str, function: Callable[..., Any], *arrays: Any) -> Callable[[], Any]:
+def _as_users_run(case: Case, function: Callable[..., Any], *arrays: Any) -> Callable[[], Any]:
     """A call of ``function(*arrays)`` as the library's users run it: JAX's
     under ``jax.jit``, waited for with ``block_until_ready`` (its dispatch is
-    asynchronous); the others eagerly."""
+    asynchronous); Dask's built and computed, on a cluster reduced there to
+    its sum (its users rarely gather a whole output in one process); the
+    others eagerly."""
+    backend = _library(case)
     if backend == "jax":
         import jax
 
         jitted = jax.jit(function)
         return lambda: jitted(*arrays).block_until_ready()
-    if backend == "dask":  # the graph is built and computed: Dask's users call .compute()
+    if backend == "dask" and case.workers:
+        # The output stays where it was computed and only its sum comes back: a
+        # cluster's users rarely gather a whole output into one process (and
+        # persist() would find the same names in memory, computing nothing).
+        return lambda: function(*arrays).sum().compute()
+    if backend == "dask":
         return lambda: function(*arrays).compute()
     return lambda: function(*arrays)
 
@@ -617,7 +623,7 @@ def markdown(results: Sequence[Result], command: str, grid: bool = False) -> str
     if clustered:
         ratio_section += [
             "Dask on a local cluster (single-threaded worker processes, one chunk per batch entry; "
-            "times include building the graph):",
+            "times include building the graph; the output is summed on the workers and only the sum comes back):",
             "",
             *_markdown_table(CLUSTER_HEADERS, clustered),
             "",
@@ -738,7 +744,9 @@ def print_table(results: Sequence[Result], grid: bool = False) -> None:
     print(format_table(HEADERS, table_rows(results)))
     clustered = cluster_rows(results)
     if clustered:
-        print("\nDask on a local cluster (single-threaded worker processes, one chunk per batch entry):")
+        print(
+            "\nDask on a local cluster (single-threaded worker processes, one chunk per batch entry, output kept on the workers):"
+        )
         print(format_table(CLUSTER_HEADERS, clustered))
     if grid:
         headers, rows = grid_rows(results)

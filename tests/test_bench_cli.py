@@ -104,3 +104,24 @@ def test_grid_without_its_baseline_is_one_error_line():
     )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "torch-sdpa" in result.stderr
+
+
+def test_dask_on_local_clusters_reports_the_speed_up(tmp_path):
+    out = tmp_path / "report"
+    command = [sys.executable, "-m", "attnx.cli", "bench", "--backends", "dask", "--dask-workers", "1", "2"]
+    command += ["--batch", "2", "--sizes", "16", "--heads", "2", "--head-dim", "8", "--operations", "sdpa"]
+    command += ["--no-baselines", "--repeat", "2", "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr + result.stdout
+    rows = json.loads((out / "results.json").read_text())
+    assert [row["workers"] for row in rows] == [1, 2]
+    assert all(row["error"] is None and row["median_s"] > 0 for row in rows)
+    assert "x over 1" in result.stdout and "attnx:dask (2 workers)" in result.stdout
+    assert "Dask on a local cluster" in (out / "results.md").read_text()
+
+
+def test_dask_workers_without_the_dask_backend_is_one_error_line():
+    command = [sys.executable, "-m", "attnx.cli", "bench", "--backends", "numpy", "--dask-workers", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "add dask to --backends" in result.stderr
