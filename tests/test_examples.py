@@ -119,3 +119,12 @@ def test_attention_heatmap_without_matplotlib_says_how_to_install_it():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 1 and "needs matplotlib: pip install 'attnx[plot]'" in result.stderr
+
+
+def test_dask_kernel_regression_on_a_local_cluster():
+    pytest.importorskip("distributed")
+    result = _run("dask_kernel_regression.py", "--points", "2000000", "--chunk", "200000", "--memory-limit", "400MiB")
+    assert result.returncode == 0, result.stderr
+    assert "cluster stopped" in result.stdout
+    error = float(result.stdout.partition("largest error against sin: ")[2].split()[0])
+    assert error < 0.05, result.stdout
