@@ -151,10 +151,19 @@ def _inputs(case: Case) -> tuple[Any, Any, Any, Any, Callable[[], None]]:
 
 
 def _local_cluster(workers: int) -> Any:
-    """A client of a new ``LocalCluster`` on loopback: ``workers`` processes of
-    one thread each (their nannies hold BLAS to one thread), closed when this
-    process exits."""
+    """A client of a new :func:`local_cluster`, both closed when this process exits."""
     import atexit
+
+    cluster, client = local_cluster(workers)
+    atexit.register(cluster.close)
+    atexit.register(client.close)
+    return client
+
+
+def local_cluster(workers: int) -> tuple[Any, Any]:
+    """A new ``dask.distributed`` ``LocalCluster`` on loopback, of ``workers``
+    processes with one thread each (their nannies hold BLAS to one thread),
+    and its client; the caller closes both."""
     import logging
 
     import distributed
@@ -167,10 +176,7 @@ def _local_cluster(workers: int) -> Any:
         dashboard_address=None,
         silence_logs=logging.ERROR,
     )
-    client = distributed.Client(cluster)
-    atexit.register(cluster.close)
-    atexit.register(client.close)
-    return client
+    return cluster, distributed.Client(cluster)
 
 
 def _library(case: Case) -> str:

@@ -3,7 +3,6 @@ started here and stopped at the end."""
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import time
@@ -15,19 +14,12 @@ import attnx
 
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
+from attnx.benchmark import local_cluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def client():
-    cluster = distributed.LocalCluster(
-        n_workers=2,
-        threads_per_worker=1,
-        processes=True,
-        host="127.0.0.1",
-        dashboard_address=None,
-        silence_logs=logging.CRITICAL,
-    )
-    client = distributed.Client(cluster)
+    cluster, client = local_cluster(2)  # worker processes on loopback, as `attnx bench --dask-workers` starts them
     try:
         yield client
     finally:
