@@ -1,0 +1,91 @@
+"""attnx.blocks, the online softmax's building blocks, on every backend's arrays.
+
+Keys split any way, their partial states combined in any order (pairwise or
+stacked), must give attention as the float64 reference computes it; a query
+that attends nothing gets zeros.  Backends whose own algorithms cut work by
+key blocks (the Dask backend's) rest on these.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnx
+from attnx import blocks
+from attnx.kernel_regression import finish_state, kernel_state
+from attnx_conformance import reference
+from attnx_conformance.helpers import assert_close, rng, rounded
+
+pytestmark = pytest.mark.attnx_operation("blocks")
+
+#: Key splits of m = 11: (start, stop) of each part.
+SPLITS = {"whole": [(0, 11)], "halves": [(0, 5), (5, 11)], "uneven": [(0, 1), (1, 4), (4, 10), (10, 11)]}
+
+
+def _on(be, arrays, dtype="float64"):
+    return [be.array(a, dtype) for a in arrays]
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.parametrize("masks", ["none", "causal", "boolean and additive"])
+def test_states_of_split_keys_combine_to_attention(attnx_backend, split, masks):
+    be = attnx_backend
+    gen = rng(70)
+    q, k, v = gen.standard_normal((2, 7, 4)), gen.standard_normal((2, 11, 4)), gen.standard_normal((2, 11, 3))
+    allowed_np = gen.random((7, 11)) < 0.6
+    allowed_np[2] = False  # a row with nothing to attend
+    additive_np = gen.standard_normal((2, 7, 11))
+    query, key, value = _on(be, (q, k, v))
+    states = []
+    for start, stop in SPLITS[split]:
+        block_masks = ()
+        if masks == "boolean and additive":
+            block_masks = (be.array(allowed_np[:, start:stop]), be.array(additive_np[..., start:stop], "float64"))
+        states.append(
+            blocks.attend_block(
+                query,
+                key[..., start:stop, :],
+                value[..., start:stop, :],
+                scale=0.5,
+                mask=block_masks,
+                is_causal=masks == "causal",
+                offset=(0, start),
+                scores_shape=(7, 11),
+            )
+        )
+    pairwise = states[0]
+    for state in reversed(states[1:]):  # any order: combine is commutative and associative
+        pairwise = blocks.combine(state, pairwise)
+    stacked = blocks.combine_along(be.xp.stack(states, axis=0), 0)
+    exact = [rounded(a, be, be.dtype("float64")) for a in (q, k, v)]
+    allowed = additive = None
+    if masks == "causal":
+        allowed = reference.allowed_mask(7, 11, batch_shape=(2,), is_causal=True)
+    if masks == "boolean and additive":
+        allowed, additive = np.broadcast_to(allowed_np, (2, 7, 11)), additive_np
+    expected, _ = reference.scaled_dot_product_attention(*exact, allowed=allowed, additive=additive, scale=0.5)
+    for state in (pairwise, stacked):
+        assert_close(blocks.finish(state), expected, be, be.dtype("float64"))
+
+
+def test_a_block_in_the_causal_future_attends_nothing(attnx_backend):
+    be = attnx_backend
+    query, key, value = _on(be, [rng(71).standard_normal(shape) for shape in ((3, 4), (5, 4), (5, 2))])
+    state = blocks.attend_block(query, key, value, scale=1.0, is_causal=True, offset=(0, 10), scores_shape=(10, 15))
+    got = be.numpy(state)
+    assert got.shape == (3, 4)
+    assert np.all(got[:, :3] == 0) and np.all(got[:, 3] == -np.inf)
+    assert np.all(be.numpy(blocks.finish(state)) == 0)
+
+
+def test_kernel_states_over_split_training_data(attnx_backend):
+    be = attnx_backend
+    gen = rng(72)
+    train_x, train_y, queries = gen.uniform(-2, 2, 30), gen.standard_normal(30), np.linspace(-3, 3, 6)
+    x, y, q = _on(be, (train_x, train_y, queries))
+    for kernel in ("gaussian", "epanechnikov"):
+        states = [kernel_state(q, x[a:b], y[a:b], kernel=kernel, bandwidth=0.4) for a, b in ((0, 7), (7, 30))]
+        got = finish_state(blocks.combine(*states), y)
+        expected = attnx.to_numpy(attnx.nadaraya_watson(queries, train_x, train_y, kernel=kernel, bandwidth=0.4))
+        assert_close(got, expected, be, be.dtype("float64"))
