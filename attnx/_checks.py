@@ -172,7 +172,7 @@ def require_known(operation: str, needed_by: str, named: dict[str, Any], axes: t
         for axis in range(array.ndim) if axes is None else axes:
             if is_unknown(array.shape[axis]):
                 raise ValueError(
-                    f"{operation}: {name} has an unknown size along axis {axis} (shape {shape_of(array)}), "
+                    f"{operation}: {name} has an unknown size along axis {axis % array.ndim} (shape {shape_of(array)}), "
                     f"which {needed_by} needs; compute the sizes first (Dask: {name}.compute_chunk_sizes())"
                 )
 

@@ -52,9 +52,7 @@ def causal_conv1d(
     c_out, c_in, kernel_size = weight.shape
     if kernel_size == 0:
         raise ValueError(f"{_CONV}: weight must have a kernel_size of at least 1, got shape {_checks.shape_of(weight)}")
-    # The left padding is joined to x, which needs every size (Dask can't
-    # concatenate along an axis beside one of unknown size).
-    _checks.require_known(_CONV, "its left padding", {"x": x})
+    _checks.require_known(_CONV, "the output length", {"x": x}, axes=(-1,))
     if x.shape[-2] != c_in:
         raise ValueError(
             f"{_CONV}: x must have shape (..., c_in, length) with c_in = {c_in} (from weight), got {_checks.shape_of(x)}"

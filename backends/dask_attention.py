@@ -134,6 +134,39 @@ def _kernel_block(queries: Any, keys: Any, values: Any, *rest: Any, kernel: Any,
     return kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth)[:, None, :]
 
 
+def causal_conv1d(*, x: Any, weight: Any, bias: Any, stride: int, dilation: int) -> Any:
+    """Each task convolves one chunk of the leading axes, with every channel
+    and the whole sequence (its chunks joined in the task): the leading
+    sizes may be unknown (after a boolean selection), which joining the
+    padding to the whole array could not allow."""
+    import dask.array as da
+
+    import attnx
+
+    lead = tuple(_BATCH[: x.ndim - 2])
+    out_length = -(-x.shape[-1] // stride)
+    arguments: list[Any] = [x, (*lead, "c", "l"), weight, ("o", "c", "k")]
+    if bias is not None:
+        arguments += [bias, ("o",)]
+    return da.blockwise(
+        _convolve,
+        (*lead, "o", "t"),
+        *arguments,
+        new_axes={"t": out_length},
+        concatenate=True,
+        dtype=x.dtype,
+        meta=da.utils.meta_from_array(x, ndim=x.ndim),
+        token="attnx-causal-conv1d",
+        stride=stride,
+        dilation=dilation,
+        convolve=attnx.causal_conv1d,
+    )
+
+
+def _convolve(x: Any, weight: Any, bias: Any = None, *, stride: int, dilation: int, convolve: Any) -> Any:
+    return convolve(x, weight, bias, stride=stride, dilation=dilation)  # attnx on the chunks' own backend
+
+
 def _combine_keys(partials: Any, axis: int) -> Any:
     """The states of every key chunk combined: a tree reduction over ``axis``."""
     import dask.array as da

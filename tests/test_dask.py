@@ -98,6 +98,12 @@ def test_unknown_sizes_where_the_plan_does_not_need_them():
     )
     expected = attnx.nadaraya_watson(queries, train_x[selected], train_y[selected])
     np.testing.assert_allclose(estimate.compute(), expected, rtol=1e-12)
+    signal, weight = gen.standard_normal((6, 3, 20)), gen.standard_normal((4, 3, 3))
+    picked = da.from_array(signal, chunks=(2, 2, 7))[da.from_array(sequences, chunks=2)]
+    convolved = attnx.causal_conv1d(picked, da.from_array(weight), dilation=2)
+    assert np.isnan(convolved.shape[0])
+    expected = attnx.causal_conv1d(signal[sequences], weight, dilation=2)
+    np.testing.assert_allclose(convolved.compute(), expected, rtol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -108,7 +114,10 @@ def test_unknown_sizes_where_the_plan_does_not_need_them():
             lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, key_lengths=da.from_array(np.arange(6))),
             ["key", "axis 1", "mask"],
         ),
-        (lambda q, k, v: attnx.causal_conv1d(k, da.ones((2, 8, 3))), ["x", "axis 1", "padding"]),
+        (
+            lambda q, k, v: attnx.causal_conv1d(da.swapaxes(k, 1, 2), da.ones((2, 8, 3))),
+            ["x", "axis 2", "output length"],
+        ),
     ],
 )
 def test_unknown_sizes_where_they_are_needed_are_named(call, words):
