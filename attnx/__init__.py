@@ -4,7 +4,7 @@ Run it on NumPy, PyTorch, CuPy or any array library that a backend plugin
 registers through the ``attnx.backends`` entry-point group.
 """
 
-from attnx import masks
+from attnx import blocks, masks
 from attnx._config import get_backend, get_memory_budget, memory_budget, set_backend, set_memory_budget, use_backend
 from attnx._registry import BackendInfo
 from attnx._registry import registry as _registry
@@ -42,6 +42,7 @@ __all__ = [
     "MultiHeadAttention",
     "additive_attention",
     "apply_rotary",
+    "blocks",
     "bahdanau_context",
     "causal_conv1d",
     "init_multi_head_params",
