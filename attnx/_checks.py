@@ -169,6 +169,9 @@ def require_known(operation: str, needed_by: str, named: dict[str, Any], axes: t
     for name, array in named.items():
         if array is None:
             continue
+        shape = array.shape
+        if None not in shape and float not in map(type, shape):  # every size known (an unknown one is None or NaN)
+            continue
         for axis in range(array.ndim) if axes is None else axes:
             if is_unknown(array.shape[axis]):
                 raise ValueError(
