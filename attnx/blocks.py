@@ -152,8 +152,7 @@ def combine(first: Any, second: Any, *, xp: Any = None) -> Any:
     xp = xp or array_namespace(first, second)
     row_max = xp.maximum(first[..., -1:], second[..., -1:])
     shift = _masking.finite_shift(xp, row_max)
-    # exp(-inf - shift) = 0: a part that attended nothing adds nothing (never NaN).
-    summed = first[..., :-1] * xp.exp(first[..., -1:] - shift) + second[..., :-1] * xp.exp(second[..., -1:] - shift)
+    summed = _rescaled(xp, first, shift) + _rescaled(xp, second, shift)
     return xp.concat([summed, xp.broadcast_to(row_max, (*summed.shape[:-1], 1))], axis=-1)
 
 
@@ -165,10 +164,17 @@ def combine_along(states: Any, axis: int, *, keepdims: bool = False, xp: Any = N
     if axis == states.ndim - 1:
         raise ValueError(f"combine_along: axis must not be the last (the state's own), got {axis}")
     row_max = xp.max(states[..., -1:], axis=axis, keepdims=True)
-    factors = xp.exp(states[..., -1:] - _masking.finite_shift(xp, row_max))
-    summed = xp.sum(states[..., :-1] * factors, axis=axis, keepdims=True)
+    summed = xp.sum(_rescaled(xp, states, _masking.finite_shift(xp, row_max)), axis=axis, keepdims=True)
     state = xp.concat([summed, row_max], axis=-1)
     return state if keepdims else xp.squeeze(state, axis=axis)
+
+
+def _rescaled(xp: Any, state: Any, shift: Any) -> Any:
+    """A state's weighted values and sum, ``(..., d_v + 1)``, moved from its
+    own maximum to ``shift`` (a finite maximum over the states combined).
+    A state that attended nothing (maximum ``-inf``) gives zeros: its factor
+    is ``exp(-inf - shift) = 0``, never NaN."""
+    return state[..., :-1] * xp.exp(state[..., -1:] - shift)
 
 
 def finish(state: Any, *, dtype: Any = None, xp: Any = None) -> Any:
