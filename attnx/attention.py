@@ -510,11 +510,11 @@ def sdpa_chunked(
     # workers share groups as well as rows.
     items = [(index, r0) for index in range(len(groups)) for r0 in range(0, n, query_chunk)]
     run = map_blocks if map_blocks is not None else (lambda function, items: [function(item) for item in items])
-    blocks = run(lambda item: attend[item[0]](item[1]), items)
+    outputs = run(lambda item: attend[item[0]](item[1]), items)
     per_group = len(range(0, n, query_chunk))
     parts = []
     for index, group_shape in enumerate(group_shapes):
-        rows = blocks[index * per_group : (index + 1) * per_group]
+        rows = outputs[index * per_group : (index + 1) * per_group]
         part = rows[0] if len(rows) == 1 else xp.concat(rows, axis=-2)
         if part.shape[:-2] != group_shape:  # leading dimensions only value had
             part = xp.broadcast_to(part, (*group_shape, *part.shape[-2:]))

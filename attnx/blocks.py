@@ -40,7 +40,17 @@ from array_api_compat import array_namespace
 
 from attnx import _checks, _masking
 
-__all__ = ["attend_block", "combine", "combine_along", "finish", "from_scores", "from_weights", "lengths_mask", "pack"]
+__all__ = [
+    "attend_block",
+    "combine",
+    "combine_along",
+    "finish",
+    "from_scores",
+    "from_weights",
+    "lengths_mask",
+    "pack",
+    "state_dtype",
+]
 
 
 def from_scores(scores: Any, value: Any, *, allowed: Any = None, additive: Any = None, xp: Any = None) -> Any:
@@ -126,7 +136,7 @@ def attend_block(
         says that nothing was attended.
     """
     xp = xp or array_namespace(query, key, value)
-    compute = _checks.accumulation_dtype(xp, query.dtype)
+    compute = state_dtype(xp, query.dtype)
     if query.dtype != compute:
         query, key, value = (xp.astype(a, compute) for a in (query, key, value))
     rows, cols = query.shape[-2], key.shape[-2]
@@ -193,3 +203,9 @@ def lengths_mask(key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int,
     blocks with the scores."""
     xp = xp or array_namespace(key_lengths)
     return _masking.lengths_mask(xp, key_lengths, tuple(batch_shape), n, m)
+
+
+def state_dtype(xp: Any, dtype: Any) -> Any:
+    """The dtype of the states of inputs of ``dtype``: float32 for half
+    precision (computed in float32), the inputs' own otherwise."""
+    return _checks.accumulation_dtype(xp, dtype)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import string
 from typing import Any
 
+from array_api_compat import array_namespace
+
 from attnx import blocks
 from attnx.kernel_regression import kernel_state
 
@@ -60,7 +62,7 @@ def scaled_dot_product_attention(
         arguments += [da.arange(n, chunks=(query.chunks[-2],)), ("i",), da.arange(m, chunks=(key.chunks[-2],)), ("j",)]
     if not isinstance(scale, float):  # a 0-d array
         arguments += [scale, ()]
-    compute = _compute_dtype(query.dtype)
+    compute = blocks.state_dtype(array_namespace(query), query.dtype)
     partials = da.blockwise(
         _attend,
         (*batch, "i", "j", "e"),
@@ -111,7 +113,7 @@ def nadaraya_watson(*, queries: Any, keys: Any, values: Any, kernel: Any, bandwi
     arguments: list[Any] = [queries, ("i", *features), keys, ("j", *features), columns, ("j", "e")]
     if not isinstance(bandwidth, float):  # a 0-d array
         arguments += [bandwidth, ()]
-    compute = _compute_dtype(queries.dtype)
+    compute = blocks.state_dtype(array_namespace(queries), queries.dtype)
     partials = da.blockwise(
         _kernel_block,
         ("i", "j", "e"),
@@ -208,9 +210,3 @@ def _leading_axes(array: Any, ndim: int) -> Any:
     """``array`` with size-1 axes in front up to ``ndim`` axes (blockwise
     broadcasts them)."""
     return array[(None,) * (ndim - array.ndim)] if array.ndim < ndim else array
-
-
-def _compute_dtype(dtype: Any) -> Any:
-    import numpy
-
-    return numpy.promote_types(dtype, numpy.float32)  # half precision computes in float32
