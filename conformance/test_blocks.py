@@ -89,3 +89,17 @@ def test_kernel_states_over_split_training_data(attnx_backend):
         got = finish_state(blocks.combine(*states), y)
         expected = attnx.to_numpy(attnx.nadaraya_watson(queries, train_x, train_y, kernel=kernel, bandwidth=0.4))
         assert_close(got, expected, be, be.dtype("float64"))
+
+
+@pytest.mark.parametrize("layout", ["batch", "sequence", "query"])
+def test_lengths_mask_in_every_layout(attnx_backend, layout):
+    be = attnx_backend
+    gen = rng(73)
+    lengths = {
+        "batch": gen.integers(0, 7, size=2),
+        "sequence": gen.integers(0, 7, size=(2, 3)),
+        "query": gen.integers(0, 7, size=(2, 3, 5)),
+    }[layout]
+    got = blocks.lengths_mask(be.array(lengths), (2, 3), 5, 6)
+    expected = reference.allowed_mask(5, 6, batch_shape=(2, 3), key_lengths=lengths, lengths_per=layout)
+    np.testing.assert_array_equal(np.broadcast_to(be.numpy(got), (2, 3, 5, 6)), expected)
