@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-from attnx import _checks, _dispatch, _masking, blocks
+from attnx import _checks, _dispatch, _masking, _tiling
 from attnx._config import get_memory_budget
+from attnx._tiling import KEY_CHUNK, MIN_ROWS
 
 __all__ = ["masked_softmax", "scaled_dot_product_attention"]
 
@@ -128,17 +129,6 @@ def scaled_dot_product_attention(
     )
 
 
-#: Target size of one block of scores in the chunked algorithm, in bytes:
-#: small enough to stay in cache, large enough for efficient matrix products.
-#: The memory budget caps it, and blocks run at once share it.
-BLOCK_BYTES = 4 * 2**20
-#: Keys per block (Rabe and Staats use 4096).
-KEY_CHUNK = 4096
-#: Query rows per block, at least: below 64 rows a (rows x 64) @ (64 x 512)
-#: float32 product on one core loses a fifth of its speed or more (measured
-#: on an AMD EPYC with AVX2 and OpenBLAS: 78-86 GFLOP/s from 64 rows up, 67
-#: at 32, 46 at 16), so blocks shrink in keys and slices before in rows.
-MIN_ROWS = 64
 #: Query rows per causal block, at most, as a fraction of n: thinner blocks
 #: skip more of the future (a block computes up to its own square in vain).
 CAUSAL_BLOCKS = 8
@@ -167,7 +157,7 @@ def choose_chunks(
     workers can share them (at least :data:`PARALLEL_SCORES` scores).
 
     The plan is per slice: a block's scores are ``query_chunk x key_chunk``
-    for each slice it holds, and :func:`slices_per_block` says how many
+    for each slice it holds, and :func:`attnx._tiling.slices_per_block` says how many
     slices one block holds.
     """
     if chunk_size is not None:
@@ -192,10 +182,10 @@ def choose_chunks(
     budget = get_memory_budget()
     if scores * 8 <= budget and not shared:  # fits even in float64: the common, cheap case
         return None
-    itemsize = _itemsize(xp, dtype)
+    itemsize = _tiling.itemsize(xp, dtype)
     if scores * itemsize <= budget and not shared:
         return None
-    block_bytes = _block_bytes(budget, concurrent_blocks)
+    block_bytes = _tiling.block_bytes(budget, concurrent_blocks)
     # One slice's block of about block_bytes; keys give way before rows do.
     key_chunk = min(m, KEY_CHUNK)
     while key_chunk > 512 and block_bytes // (itemsize * key_chunk) < MIN_ROWS:
@@ -206,23 +196,6 @@ def choose_chunks(
     if concurrent_blocks > slices:  # too few slices to give every worker a block: split rows too
         rows = min(rows, max(MIN_ROWS, -(-n * slices // concurrent_blocks)))
     return min(n, rows), key_chunk
-
-
-def slices_per_block(xp: Any, dtype: Any, chunks: tuple[int, int], slices: int, concurrent_blocks: int = 1) -> int:
-    """How many (batch, head) slices one block of the chunked algorithm holds:
-    as many as keep its scores within the block size (the memory budget
-    shared by ``concurrent_blocks`` blocks in flight)."""
-    query_chunk, key_chunk = chunks
-    fit = _block_bytes(get_memory_budget(), concurrent_blocks) // (_itemsize(xp, dtype) * query_chunk * key_chunk)
-    return max(1, min(slices, fit))
-
-
-def _block_bytes(budget: int, concurrent_blocks: int) -> int:
-    return min(BLOCK_BYTES, budget) // max(1, concurrent_blocks)
-
-
-def _itemsize(xp: Any, dtype: Any) -> int:
-    return 4 if _checks.accumulation_dtype(xp, dtype) == xp.float32 else 8
 
 
 def check_attention_inputs(
@@ -436,27 +409,6 @@ def _masked_softmax_generic(xp: Any, *, scores: Any, mask: Any, key_lengths: Any
     return xp.moveaxis(weights, -1, axis) if axis != ndim - 1 else weights
 
 
-def _key_blocks(
-    m: int, r0: int, r1: int, offset: int, key_chunk: int, is_causal: bool
-) -> Iterator[tuple[int, int, bool]]:
-    """Key blocks ``(start, stop, needs_causal_mask)`` for the queries
-    ``r0:r1``.  With a causal mask, keys in every row's past come in
-    unmasked blocks, the diagonal band in one masked block, and keys in
-    every row's future are never visited."""
-    if not is_causal:
-        for c0 in range(0, m, key_chunk):
-            yield c0, min(m, c0 + key_chunk), False
-        return
-    past = min(m, max(0, r0 + offset + 1))  # keys j <= r0 + offset: allowed for every row
-    stop = min(m, max(0, r1 + offset))  # keys j >= r1 + offset: future for every row
-    if past < stop - past:  # a past smaller than the band isn't worth its own products
-        past = 0
-    for c0 in range(0, past, key_chunk):
-        yield c0, min(past, c0 + key_chunk), False
-    if stop > past:
-        yield past, stop, True
-
-
 def sdpa_chunked(
     xp: Any,
     *,
@@ -474,133 +426,61 @@ def sdpa_chunked(
     concurrent_blocks: int = 1,
 ) -> Any:
     """Memory-efficient attention (Rabe and Staats 2021; the FlashAttention
-    recurrence), array API only.
+    recurrence), array API only, walked by :func:`attnx._tiling.attend_tiles`.
 
     Queries are processed ``query_chunk`` rows at a time and keys
-    ``key_chunk`` columns at a time with a running maximum and sum, so the
-    extra memory is O(query_chunk * key_chunk) per leading index instead of
-    O(n * m).  Masks are built block by block; with ``is_causal`` the key
-    blocks that lie wholly in a query block's future are never visited.
-    The weights are not materialised.  Query blocks are independent: they
-    go through ``map_blocks`` (the backend's :meth:`~attnx.Backend.map_blocks`),
-    which may run them concurrently.  The chunks are per (batch, head)
-    slice: a block holds as many slices as :func:`slices_per_block` allows,
-    the batch is split into groups of them.
+    ``key_chunk`` columns at a time, so the extra memory is
+    O(query_chunk * key_chunk) per (batch, head) slice instead of O(n * m).
+    Masks are built tile by tile; with ``is_causal`` the key tiles that lie
+    wholly in a row range's future are never visited, and those wholly in
+    its past are not masked.  The weights are not materialised.
     """
     if batch_shape is None:
         batch_shape = _checks.leading_shape(query, key, value)
     batch_shape = tuple(batch_shape)
-    n = query.shape[-2]
-    groups, query_chunk = _batch_groups(xp, query.dtype, batch_shape, n, query_chunk, key_chunk, concurrent_blocks)
-    attend, group_shapes = [], []  # per group of slices: a function of a row start, the leading shape
-    for span in groups:
-        if span is None:
-            q, k, v, group_mask, lengths, group_shape = query, key, value, mask, key_lengths, batch_shape
-        else:
-            ndim = len(batch_shape)
-            q, k, v = (_masking.batch_block(a, ndim, 2, span) for a in (query, key, value))
-            group_mask = None if mask is None else _masking.batch_block(mask, ndim, 2, span)
-            lengths = None if key_lengths is None else _masking.lengths_batch_block(key_lengths, batch_shape, n, span)
-            group_shape = (span[1] - span[0], *batch_shape[1:])
-        attend.append(
-            _row_attention(xp, q, k, v, group_mask, lengths, is_causal, scale, query_chunk, key_chunk, group_shape)
-        )
-        group_shapes.append(group_shape)
-    # Every (group, query block) pair is independent: one map, so that
-    # workers share groups as well as rows.
-    items = [(index, r0) for index in range(len(groups)) for r0 in range(0, n, query_chunk)]
-    run = map_blocks if map_blocks is not None else (lambda function, items: [function(item) for item in items])
-    outputs = run(lambda item: attend[item[0]](item[1]), items)
-    per_group = len(range(0, n, query_chunk))
-    parts = []
-    for index, group_shape in enumerate(group_shapes):
-        rows = outputs[index * per_group : (index + 1) * per_group]
-        part = rows[0] if len(rows) == 1 else xp.concat(rows, axis=-2)
-        if part.shape[:-2] != group_shape:  # leading dimensions only value had
-            part = xp.broadcast_to(part, (*group_shape, *part.shape[-2:]))
-        parts.append(part)
-    output = parts[0] if len(parts) == 1 else xp.concat(parts, axis=0)
-    return xp.astype(output, query.dtype) if output.dtype != query.dtype else output
-
-
-def _batch_groups(
-    xp: Any,
-    dtype: Any,
-    batch_shape: tuple[int, ...],
-    n: int,
-    query_chunk: int,
-    key_chunk: int,
-    concurrent_blocks: int,
-) -> tuple[list[tuple[int, int] | None], int]:
-    """Spans of the first batch axis that make the blocks (``[None]``: the
-    whole batch in each block), and the query rows per block: as many slices
-    per block as fit the block size, and blocks enough for every worker."""
-    slices = math.prod(batch_shape)
-    fit = slices_per_block(xp, dtype, (query_chunk, key_chunk), slices, concurrent_blocks)
-    row_blocks = -(-n // query_chunk)
-    if concurrent_blocks > row_blocks:  # rows alone don't give every worker a block
-        fit = min(fit, max(1, slices * row_blocks // concurrent_blocks))
-    if fit >= slices or not batch_shape:
-        return [None], query_chunk
-    per_entry = slices // batch_shape[0]
-    if fit < per_entry:  # one entry of the batch still holds too many slices (many heads): fewer rows
-        query_chunk = max(1, query_chunk * fit // per_entry)
-    group = max(1, fit // per_entry)
-    return [(start, min(batch_shape[0], start + group)) for start in range(0, batch_shape[0], group)], query_chunk
-
-
-def _row_attention(
-    xp: Any,
-    query: Any,
-    key: Any,
-    value: Any,
-    mask: Any,
-    key_lengths: Any,
-    is_causal: bool,
-    scale: Any,
-    query_chunk: int,
-    key_chunk: int,
-    batch_shape: tuple[int, ...],
-) -> Callable[[int], Any]:
-    """The attention of ``query_chunk`` queries from a row start, for slices
-    that fit one block together, in the computation's dtype."""
-    dtype = query.dtype
-    compute = _checks.accumulation_dtype(xp, dtype)
-    if compute != dtype:
-        query, key, value = (xp.astype(a, compute) for a in (query, key, value))
     n, m = query.shape[-2], key.shape[-2]
+    compute = _checks.accumulation_dtype(xp, query.dtype)
     device = _checks.device_of(query)
-    offset = m - n
-    key_t = xp.matrix_transpose(key)
-    d_v = value.shape[-1]
-    # A column of ones after the values: one matrix product then yields both
-    # the weighted values and the row sums of a block's state.
-    ones = xp.ones((*value.shape[:-1], 1), dtype=value.dtype, device=device)
-    value = xp.concat([value, ones], axis=-1)
 
-    def attend_rows(r0: int) -> Any:
-        r1 = min(n, r0 + query_chunk)
-        q = query[..., r0:r1, :] * scale
-        state = None
-        for c0, c1, needs_causal in _key_blocks(m, r0, r1, offset, key_chunk, is_causal):
-            allowed, additive = _masking.combine(
-                xp,
-                mask=mask,
-                key_lengths=key_lengths,
-                is_causal=needs_causal,
-                batch_shape=batch_shape,
-                n=n,
-                m=m,
-                dtype=compute,
-                device=device,
-                rows=(r0, r1),
-                cols=(c0, c1),
-            )
-            weights, row_max = _masking.unnormalised_softmax(xp, q @ key_t[..., c0:c1], allowed, additive)
-            block = blocks.pack(xp, weights @ value[..., c0:c1, :], row_max)
-            state = block if state is None else blocks.combine(state, block, xp=xp)
-        if state is None:  # no key at all for these rows (causal with n > m)
-            return xp.zeros((*batch_shape, r1 - r0, d_v), dtype=compute, device=device)
-        return blocks.finish(state, xp=xp)
+    def tiles(span: Any, rows: tuple[int, int]) -> Any:
+        if is_causal:
+            return _tiling.causal_tiles(m, rows, m - n, key_chunk)
+        return _tiling.split(0, m, key_chunk, False)
 
-    return attend_rows
+    def tile_scores(scores: Any, span: Any, rows: Any, cols: Any, masked: bool) -> tuple[Any, Any, Any]:
+        group_mask, lengths, group_shape = mask, key_lengths, batch_shape
+        if span is not None:
+            group_shape = (span[1] - span[0], *batch_shape[1:])
+            if mask is not None:
+                group_mask = _masking.batch_block(mask, len(batch_shape), 2, span)
+            if key_lengths is not None:
+                lengths = _masking.lengths_batch_block(key_lengths, batch_shape, n, span)
+        allowed, additive = _masking.combine(
+            xp,
+            mask=group_mask,
+            key_lengths=lengths,
+            is_causal=masked,
+            batch_shape=group_shape,
+            n=n,
+            m=m,
+            dtype=compute,
+            device=device,
+            rows=rows,
+            cols=cols,
+        )
+        return scores, allowed, additive
+
+    return _tiling.attend_tiles(
+        xp,
+        query,
+        key,
+        value,
+        scale=scale,
+        batch_shape=batch_shape,
+        query_chunk=query_chunk,
+        key_chunk=key_chunk,
+        tiles=tiles,
+        tile_scores=tile_scores,
+        map_blocks=map_blocks,
+        concurrent_blocks=concurrent_blocks,
+    )

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import attnx
-from attnx.attention import BLOCK_BYTES, choose_chunks, slices_per_block
+from attnx._tiling import BLOCK_BYTES, slices_per_block
+from attnx.attention import choose_chunks
 
 XP = attnx._registry.get("numpy").xp
 

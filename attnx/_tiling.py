@@ -1,0 +1,188 @@
+"""The tiled online-softmax walk: one home of block skipping.
+
+Attention over tiles of the scores: a tile holds some query rows and some
+key columns for a group of (batch, head) slices.  The caller says which key
+tiles each range of rows visits (a tile it leaves out is never computed:
+the causal future, an empty block of a block mask) and whether a tile
+needs its mask evaluated (the causal diagonal, a partial block) or is fully
+attended.  :func:`scaled_dot_product_attention`'s chunked algorithm and
+:func:`flex_attention` both walk their tiles here, so a causal mask given
+as ``is_causal=True`` or as a block mask is skipped by the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from attnx import _checks, _masking, blocks
+from attnx._config import get_memory_budget
+
+Span = tuple[int, int]
+#: A key tile ``(start, stop, masked)``: ``masked`` says its mask must be
+#: evaluated; an unmasked tile is attended whole.
+Tile = tuple[int, int, bool]
+#: The tiles of the rows ``(start, stop)`` of a group of slices (the span of
+#: the first batch axis it holds, None for the whole batch).
+TilePlan = Callable[[Span | None, Span], Iterable[Tile]]
+#: ``(scores, group, rows, cols, masked) -> (scores, allowed, additive)``: a
+#: tile's scores (modified), with the masks that apply to it (each None when
+#: absent, broadcastable to the scores).
+TileScores = Callable[[Any, Span | None, Span, Span, bool], tuple[Any, Any, Any]]
+
+#: Target size of one block of scores in the chunked algorithm, in bytes:
+#: small enough to stay in cache, large enough for efficient matrix products.
+#: The memory budget caps it, and blocks run at once share it.
+BLOCK_BYTES = 4 * 2**20
+#: Keys per block (Rabe and Staats use 4096).
+KEY_CHUNK = 4096
+#: Query rows per block, at least: below 64 rows a (rows x 64) @ (64 x 512)
+#: float32 product on one core loses a fifth of its speed or more (measured
+#: on an AMD EPYC with AVX2 and OpenBLAS: 78-86 GFLOP/s from 64 rows up, 67
+#: at 32, 46 at 16), so blocks shrink in keys and slices before in rows.
+MIN_ROWS = 64
+
+
+def block_bytes(budget: int, concurrent_blocks: int) -> int:
+    """The bytes of scores one block may hold: :data:`BLOCK_BYTES` within
+    the memory budget, shared by the blocks in flight."""
+    return min(BLOCK_BYTES, budget) // max(1, concurrent_blocks)
+
+
+def itemsize(xp: Any, dtype: Any) -> int:
+    """Bytes per score for inputs of ``dtype`` (half precision computes in float32)."""
+    return 4 if _checks.accumulation_dtype(xp, dtype) == xp.float32 else 8
+
+
+def slices_per_block(xp: Any, dtype: Any, chunks: tuple[int, int], slices: int, concurrent_blocks: int = 1) -> int:
+    """How many (batch, head) slices one block of the chunked algorithm holds:
+    as many as keep its scores within the block size (the memory budget
+    shared by ``concurrent_blocks`` blocks in flight)."""
+    query_chunk, key_chunk = chunks
+    fit = block_bytes(get_memory_budget(), concurrent_blocks) // (itemsize(xp, dtype) * query_chunk * key_chunk)
+    return max(1, min(slices, fit))
+
+
+def batch_groups(
+    xp: Any,
+    dtype: Any,
+    batch_shape: tuple[int, ...],
+    n: int,
+    query_chunk: int,
+    key_chunk: int,
+    concurrent_blocks: int,
+) -> tuple[list[Span | None], int]:
+    """Spans of the first batch axis that make the blocks (``[None]``: the
+    whole batch in each block), and the query rows per block: as many slices
+    per block as fit the block size, and blocks enough for every worker."""
+    slices = math.prod(batch_shape)
+    fit = slices_per_block(xp, dtype, (query_chunk, key_chunk), slices, concurrent_blocks)
+    row_blocks = -(-n // query_chunk)
+    if concurrent_blocks > row_blocks:  # rows alone don't give every worker a block
+        fit = min(fit, max(1, slices * row_blocks // concurrent_blocks))
+    if fit >= slices or not batch_shape:
+        return [None], query_chunk
+    per_entry = slices // batch_shape[0]
+    if fit < per_entry:  # one entry of the batch still holds too many slices (many heads): fewer rows
+        query_chunk = max(1, query_chunk * fit // per_entry)
+    group = max(1, fit // per_entry)
+    return [(start, min(batch_shape[0], start + group)) for start in range(0, batch_shape[0], group)], query_chunk
+
+
+def split(start: int, stop: int, key_chunk: int, masked: bool) -> Iterator[Tile]:
+    """Tiles of at most ``key_chunk`` keys covering ``start:stop``."""
+    for c0 in range(start, stop, key_chunk):
+        yield c0, min(stop, c0 + key_chunk), masked
+
+
+def causal_tiles(m: int, rows: Span, offset: int, key_chunk: int) -> Iterator[Tile]:
+    """The key tiles of the causal mask (query ``i`` attends keys
+    ``j <= i + offset``) for the queries ``rows``: keys in every row's past
+    come unmasked, the diagonal band in one masked tile, and keys in every
+    row's future are never visited."""
+    r0, r1 = rows
+    past = min(m, max(0, r0 + offset + 1))  # keys j <= r0 + offset: allowed for every row
+    stop = min(m, max(0, r1 + offset))  # keys j >= r1 + offset: future for every row
+    if past < stop - past:  # a past smaller than the band isn't worth its own products
+        past = 0
+    yield from split(0, past, key_chunk, False)
+    if stop > past:
+        yield past, stop, True
+
+
+def attend_tiles(
+    xp: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    scale: Any,
+    batch_shape: tuple[int, ...],
+    query_chunk: int,
+    key_chunk: int,
+    tiles: TilePlan,
+    tile_scores: TileScores,
+    map_blocks: Callable[..., list[Any]] | None = None,
+    concurrent_blocks: int = 1,
+) -> Any:
+    """Attention ``(*batch_shape, n, d_v)`` walked tile by tile with a running
+    maximum and sum (Rabe and Staats 2021; the FlashAttention recurrence):
+    O(query_chunk * key_chunk) extra memory per slice, never the weights.
+
+    Rows go ``query_chunk`` at a time; for each range of rows ``tiles`` says
+    which key tiles (of at most ``key_chunk`` keys) to visit and which need
+    their masks, and ``tile_scores`` modifies a tile's scores and gives its
+    masks.  The batch is cut into groups of slices that fit the block size
+    (:func:`batch_groups`); every (group, rows) pair is independent and goes
+    through ``map_blocks`` (the backend's :meth:`~attnx.Backend.map_blocks`),
+    which may run them concurrently.  Inputs of half precision are computed
+    in float32; the output has the query's dtype.
+    """
+    batch_shape = tuple(batch_shape)
+    dtype = query.dtype
+    compute = _checks.accumulation_dtype(xp, dtype)
+    if compute != dtype:
+        query, key, value = (xp.astype(a, compute) for a in (query, key, value))
+    n, d_v = query.shape[-2], value.shape[-1]
+    device = _checks.device_of(query)
+    # A column of ones after the values: one matrix product then yields both
+    # the weighted values and the row sums of a tile's state.
+    value = xp.concat([value, xp.ones((*value.shape[:-1], 1), dtype=value.dtype, device=device)], axis=-1)
+    groups, query_chunk = batch_groups(xp, dtype, batch_shape, n, query_chunk, key_chunk, concurrent_blocks)
+    ndim = len(batch_shape)
+    parts = []  # per group: (scaled query, transposed key, value with ones, leading shape)
+    for span in groups:
+        if span is None:
+            q, k, v, group_shape = query, key, value, batch_shape
+        else:
+            q, k, v = (_masking.batch_block(a, ndim, 2, span) for a in (query, key, value))
+            group_shape = (span[1] - span[0], *batch_shape[1:])
+        parts.append((q * scale, xp.matrix_transpose(k), v, group_shape))
+
+    def attend(item: tuple[int, int]) -> Any:
+        index, r0 = item
+        span, (q, key_t, v, group_shape) = groups[index], parts[index]
+        rows = (r0, min(n, r0 + query_chunk))
+        q = q[..., rows[0] : rows[1], :]
+        state = None
+        for c0, c1, masked in tiles(span, rows):
+            scores, allowed, additive = tile_scores(q @ key_t[..., c0:c1], span, rows, (c0, c1), masked)
+            weights, row_max = _masking.unnormalised_softmax(xp, scores, allowed, additive)
+            tile = blocks.pack(xp, weights @ v[..., c0:c1, :], row_max)
+            state = tile if state is None else blocks.combine(state, tile, xp=xp)
+        if state is None:  # no key to visit for these rows: nothing attended
+            return xp.zeros((*group_shape, rows[1] - rows[0], d_v), dtype=compute, device=device)
+        output = blocks.finish(state, xp=xp)
+        if tuple(output.shape[:-2]) != group_shape:  # leading dimensions only value had
+            output = xp.broadcast_to(output, (*group_shape, *output.shape[-2:]))
+        return output
+
+    items = [(index, r0) for index in range(len(groups)) for r0 in range(0, n, query_chunk)]
+    run = map_blocks if map_blocks is not None else (lambda function, items: [function(item) for item in items])
+    outputs = run(attend, items)
+    per_group = len(range(0, n, query_chunk))
+    rows_of = [outputs[i * per_group : (i + 1) * per_group] for i in range(len(groups))]
+    group_outputs = [rows[0] if len(rows) == 1 else xp.concat(rows, axis=-2) for rows in rows_of]
+    output = group_outputs[0] if len(group_outputs) == 1 else xp.concat(group_outputs, axis=0)
+    return xp.astype(output, dtype) if output.dtype != dtype else output
