@@ -4,7 +4,7 @@ Run it on NumPy, PyTorch, CuPy or any array library that a backend plugin
 registers through the ``attnx.backends`` entry-point group.
 """
 
-from attnx import blocks, masks
+from attnx import blocks, masks, mods
 from attnx._config import get_backend, get_memory_budget, memory_budget, set_backend, set_memory_budget, use_backend
 from attnx._registry import BackendInfo
 from attnx._registry import registry as _registry
@@ -14,6 +14,7 @@ from attnx.backend import Backend
 from attnx.conversion import asarray, list_backends, to_numpy
 from attnx.convolution import causal_conv1d, receptive_field
 from attnx.errors import BackendUnavailableError, PluginError, PluginWarning
+from attnx.flex import BlockMask, and_masks, create_block_mask, flex_attention, or_masks
 from attnx.hookspecs import hookimpl
 from attnx.kernel_regression import nadaraya_watson
 from attnx.multihead import MultiHeadAttention, init_multi_head_params, multi_head_attention
@@ -43,6 +44,12 @@ __all__ = [
     "additive_attention",
     "apply_rotary",
     "blocks",
+    "BlockMask",
+    "and_masks",
+    "create_block_mask",
+    "flex_attention",
+    "mods",
+    "or_masks",
     "bahdanau_context",
     "causal_conv1d",
     "init_multi_head_params",

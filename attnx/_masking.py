@@ -58,7 +58,26 @@ def causal(
     """Boolean ``(n, m)`` (or the block ``rows x cols``): query ``i`` attends
     key ``j`` where ``j <= i + offset``."""
     query_positions, key_positions = _positions(xp, n, m, align, device, rows, cols)
+    return causal_rule(query_positions, key_positions)
+
+
+def causal_rule(query_positions: Any, key_positions: Any) -> Any:
+    """The causal rule on aligned positions: a query attends the keys at or
+    before its own position.  Operators only, so that a ``mask_mod`` can call
+    it on any library's index arrays (:mod:`attnx.mods`)."""
     return key_positions <= query_positions
+
+
+def window_rule(query_positions: Any, key_positions: Any, left: int | None, right: int | None) -> Any:
+    """The window rule on aligned positions: keys from ``left`` before to
+    ``right`` after the query (None: unbounded; both None: every key)."""
+    allowed = None
+    if left is not None:
+        allowed = key_positions >= query_positions - left
+    if right is not None:
+        upper = key_positions <= query_positions + right
+        allowed = upper if allowed is None else allowed & upper
+    return allowed
 
 
 def window(
@@ -73,12 +92,7 @@ def window(
 ) -> Any:
     """Boolean ``(n, m)``: keys from ``left`` before to ``right`` after the query."""
     rows, cols = _positions(xp, n, m, align, device)
-    allowed = None
-    if left is not None:
-        allowed = cols >= rows - left
-    if right is not None:
-        upper = cols <= rows + right
-        allowed = upper if allowed is None else allowed & upper
+    allowed = window_rule(rows, cols, left, right)
     if allowed is None:
         allowed = xp.ones((n, m), dtype=xp.bool, device=device)
     return allowed

@@ -1,0 +1,635 @@
+"""Programmable attention: ``score_mod``, ``mask_mod`` and block sparsity.
+
+PyTorch's FlexAttention, on every backend, with its calling convention: a
+``score_mod(score, b, h, q_idx, kv_idx)`` changes the scores, a
+``mask_mod(b, h, q_idx, kv_idx)`` says which keys a query attends, and
+:func:`create_block_mask` records which blocks of the scores a ``mask_mod``
+leaves empty, full or partial, so that :func:`flex_attention` never computes
+an empty block and evaluates the mask on partial blocks only.
+
+attnx calls a mod with arrays of the inputs' backend: the scores of a tile
+``(B, H, rows, cols)`` and integer index arrays that broadcast against them,
+``b`` of shape ``(B, 1, 1, 1)``, ``h`` of ``(1, H, 1, 1)``, ``q_idx`` of
+``(1, 1, rows, 1)`` and ``kv_idx`` of ``(1, 1, 1, cols)``.  A mod written with
+operators (``q_idx >= kv_idx``, ``score + slopes[h]``) runs unchanged here
+and in PyTorch, where it is called on 0-d tensors.  :mod:`attnx.mods` holds
+the common ones.
+
+Examples
+--------
+>>> import numpy as np, attnx
+>>> q = k = v = np.ones((1, 2, 6, 4), dtype=np.float32)
+>>> window = attnx.create_block_mask(attnx.mods.sliding_window(2), None, None, 6, 6, block_size=2)
+>>> window.kinds[0, 0].tolist()  # 0: empty (skipped), 1: partial (masked), 2: full
+[[1, 0, 0], [2, 1, 0], [1, 2, 1]]
+>>> attnx.flex_attention(q, k, v, block_mask=window).shape
+(1, 2, 6, 4)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from attnx import _checks, _dispatch, _masking, _tiling
+from attnx._config import get_memory_budget
+from attnx.attention import choose_chunks
+
+__all__ = ["BlockMask", "and_masks", "create_block_mask", "flex_attention", "or_masks"]
+
+_FLEX = "flex_attention"
+_CREATE = "create_block_mask"
+
+#: A block's kind in :attr:`BlockMask.kinds`.
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+ScoreMod = Callable[[Any, Any, Any, Any, Any], Any]
+MaskMod = Callable[[Any, Any, Any, Any], Any]
+
+
+class BlockMask:
+    """Which blocks of the scores a ``mask_mod`` leaves empty, partial or full.
+
+    Made by :func:`create_block_mask`; reusable across calls and layers of
+    the same sizes.
+
+    Attributes
+    ----------
+    mask_mod : callable
+        The mod, evaluated on the partial blocks by :func:`flex_attention`.
+    shape : (B, H, Q_LEN, KV_LEN)
+        ``B`` or ``H`` is None where the mask broadcasts over it.
+    block_size : (int, int)
+        Queries and keys per block.
+    kinds : integer array, shape (B or 1, H or 1, q_blocks, kv_blocks)
+        Of the backend that made it: :data:`EMPTY` (0), :data:`PARTIAL` (1)
+        or :data:`FULL` (2) for each block.
+    """
+
+    def __init__(
+        self,
+        *,
+        mask_mod: MaskMod,
+        shape: tuple[int | None, int | None, int, int],
+        block_size: tuple[int, int],
+        kinds: Any,
+        plan: list[list[list[tuple[tuple[int, int], ...]]]] | None,
+    ) -> None:
+        self.mask_mod = mask_mod
+        self.shape = shape
+        self.block_size = block_size
+        self.kinds = kinds
+        # Per (b, h, query block): the non-empty key blocks as (index, kind),
+        # read once from concrete kinds; None where they were traced or lazy
+        # (then every block is computed, with its mask).
+        self._plan = plan
+
+    @property
+    def sparsity(self) -> float | None:
+        """The fraction of blocks skipped (empty), or None where the kinds
+        can't be read (traced or lazy)."""
+        if self._plan is None:
+            return None
+        q_blocks, kv_blocks = self.kinds.shape[-2:]
+        total = math.prod(self.kinds.shape)
+        visited = sum(len(row) for heads in self._plan for rows in heads for row in rows)
+        return 1.0 - visited / total if total and q_blocks and kv_blocks else 0.0
+
+    def tiles(self, batch: tuple[int, int], rows: tuple[int, int], key_chunk: int) -> list[_tiling.Tile]:
+        """The key tiles of the queries ``rows`` of the batch entries
+        ``batch``: blocks empty for all are left out, blocks full for all are
+        unmasked, and neighbouring blocks of one kind merge up to
+        ``key_chunk`` keys."""
+        q_block, kv_block = self.block_size
+        plan = self._plan
+        entries = range(*batch) if len(plan) > 1 else range(1)
+        query_blocks = range(rows[0] // q_block, (rows[1] - 1) // q_block + 1)
+        seen: dict[int, int] = {}  # key block: how many (b, h, query block) find it full
+        total = len(entries) * len(plan[0]) * len(query_blocks)
+        present: dict[int, int] = {}
+        for b in entries:
+            for heads in plan[b]:
+                for qb in query_blocks:
+                    for kb, kind in heads[qb]:
+                        present[kb] = present.get(kb, 0) + 1
+                        seen[kb] = seen.get(kb, 0) + (kind == FULL)
+        kv_len, run = self.shape[3], max(1, key_chunk // kv_block)
+        tiles: list[_tiling.Tile] = []
+        for kb in sorted(present):
+            masked = seen[kb] < total or present[kb] < total
+            start, stop = kb * kv_block, min(kv_len, (kb + 1) * kv_block)
+            if tiles and tiles[-1][1] == start and tiles[-1][2] == masked and stop - tiles[-1][0] <= run * kv_block:
+                tiles[-1] = (tiles[-1][0], stop, masked)
+            else:
+                tiles.append((start, stop, masked))
+        return tiles
+
+    def __repr__(self) -> str:
+        sparsity = self.sparsity
+        said = "unknown" if sparsity is None else f"{sparsity:.1%}"
+        return f"BlockMask(shape={self.shape}, block_size={self.block_size}, sparsity={said})"
+
+
+def and_masks(*mask_mods: MaskMod) -> MaskMod:
+    """A ``mask_mod`` that attends where every one of ``mask_mods`` does."""
+    _require_mods("and_masks", mask_mods)
+
+    def both(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        allowed = q_idx == q_idx  # True, in the index arrays' own library
+        for mod in mask_mods:
+            allowed = allowed & mod(b, h, q_idx, kv_idx)
+        return allowed
+
+    return both
+
+
+def or_masks(*mask_mods: MaskMod) -> MaskMod:
+    """A ``mask_mod`` that attends where any one of ``mask_mods`` does."""
+    _require_mods("or_masks", mask_mods)
+
+    def either(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        allowed = q_idx != q_idx  # False, in the index arrays' own library
+        for mod in mask_mods:
+            allowed = allowed | mod(b, h, q_idx, kv_idx)
+        return allowed
+
+    return either
+
+
+def _require_mods(operation: str, mods: tuple[Any, ...]) -> None:
+    for position, mod in enumerate(mods):
+        if not callable(mod):
+            raise TypeError(
+                f"{operation}: mask_mods must be callables (b, h, q_idx, kv_idx) -> bool array, "
+                f"got {type(mod).__name__} at position {position}"
+            )
+
+
+def create_block_mask(
+    mask_mod: MaskMod,
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    *,
+    block_size: int | tuple[int, int] = 128,
+    backend: str | None = None,
+    device: Any = None,
+) -> BlockMask:
+    """Evaluate ``mask_mod`` once, tile by tile, and record which blocks are
+    empty, full or partial.
+
+    Parameters
+    ----------
+    mask_mod : callable ``(b, h, q_idx, kv_idx) -> bool array``
+        True where a query attends a key.
+    B, H : int or None
+        Batch size and heads; None where the mask is the same for all.
+    Q_LEN, KV_LEN : int
+        Queries and keys.
+    block_size : int or (int, int)
+        Queries and keys per block: the granularity of skipping.
+    backend, device :
+        Where the mask is evaluated (the current backend by default).
+
+    Returns
+    -------
+    BlockMask
+        Its kinds have shape ``(B or 1, H or 1, ceil(Q_LEN / q_block),
+        ceil(KV_LEN / kv_block))``; ``B`` or ``H`` is 1 also where the
+        ``mask_mod`` does not depend on ``b`` or ``h``.
+
+    Notes
+    -----
+    The mod is evaluated on every query and key, in tiles of a whole number
+    of blocks within the memory budget: O(Q_LEN * KV_LEN) work, once.
+    """
+    operation = _CREATE
+    if not callable(mask_mod):
+        raise TypeError(
+            f"{operation}: mask_mod must be a callable (b, h, q_idx, kv_idx) -> bool array, got {mask_mod!r}"
+        )
+    batch = 1 if B is None else _checks.require_positive_int(operation, "B", B)
+    heads = 1 if H is None else _checks.require_positive_int(operation, "H", H)
+    n = _checks.require_positive_int(operation, "Q_LEN", Q_LEN)
+    m = _checks.require_positive_int(operation, "KV_LEN", KV_LEN)
+    q_block, kv_block = _block_size(operation, block_size)
+    chosen, _, device = _dispatch.resolve_creation(operation, backend, device)
+    xp = chosen.xp
+    probe = call_mask_mod(operation, chosen, mask_mod, (0, batch), heads, (0, min(n, 2)), (0, min(m, 2)), device)
+    mask_batch, mask_heads = probe.shape[:2]  # 1 where the mod does not depend on b or h
+    # Tiles of whole blocks, their mask within the memory budget (a mod's
+    # integer intermediates take 8 bytes an element).
+    elements = max(q_block * kv_block, get_memory_budget() // 8 // (mask_batch * mask_heads))
+    cols = min(m, max(kv_block, elements // q_block // kv_block * kv_block))
+    rows = min(n, max(q_block, elements // cols // q_block * q_block))
+    row_kinds = []
+    for r0 in range(0, n, rows):
+        tiles = []
+        for c0 in range(0, m, cols):
+            allowed = call_mask_mod(
+                operation, chosen, mask_mod, (0, batch), heads, (r0, min(n, r0 + rows)), (c0, min(m, c0 + cols)), device
+            )
+            shape = (mask_batch, mask_heads, *allowed.shape[2:])
+            tiles.append(
+                _block_kinds(
+                    xp, xp.broadcast_to(allowed, shape) if allowed.shape != shape else allowed, q_block, kv_block
+                )
+            )
+        row_kinds.append(tiles[0] if len(tiles) == 1 else xp.concat(tiles, axis=-1))
+    kinds = row_kinds[0] if len(row_kinds) == 1 else xp.concat(row_kinds, axis=-2)
+    plan = None
+    if _checks.values_known(kinds):
+        plan = [
+            [[tuple((kb, kind) for kb, kind in enumerate(row) if kind) for row in head] for head in entry]
+            for entry in chosen.to_numpy(kinds).tolist()
+        ]
+    return BlockMask(mask_mod=mask_mod, shape=(B, H, n, m), block_size=(q_block, kv_block), kinds=kinds, plan=plan)
+
+
+def _block_size(operation: str, block_size: Any) -> tuple[int, int]:
+    pair = block_size if isinstance(block_size, tuple) else (block_size, block_size)
+    if len(pair) != 2:
+        raise ValueError(f"{operation}: block_size must be an int or a (q_block, kv_block) pair, got {block_size!r}")
+    return tuple(_checks.require_positive_int(operation, "block_size", size) for size in pair)  # type: ignore[return-value]
+
+
+def _block_kinds(xp: Any, allowed: Any, q_block: int, kv_block: int) -> Any:
+    """``(b, h, rows, cols)`` booleans to the kinds of their blocks
+    ``(b, h, ceil(rows / q_block), ceil(cols / kv_block))``."""
+    full = _blocks_reduce(xp, allowed, q_block, kv_block, xp.all, True)
+    some = _blocks_reduce(xp, allowed, q_block, kv_block, xp.any, False)
+    int8 = xp.int8
+    return xp.where(
+        full,
+        xp.asarray(FULL, dtype=int8),
+        xp.where(some, xp.asarray(PARTIAL, dtype=int8), xp.asarray(EMPTY, dtype=int8)),
+    )
+
+
+def _blocks_reduce(xp: Any, allowed: Any, q_block: int, kv_block: int, reduce: Any, fill: bool) -> Any:
+    lead, (rows, cols) = tuple(allowed.shape[:-2]), allowed.shape[-2:]
+    device = _checks.device_of(allowed)
+    missing_rows, missing_cols = -rows % q_block, -cols % kv_block
+    if missing_rows:  # the last block is short: pad it with what changes nothing
+        allowed = xp.concat([allowed, xp.full((*lead, missing_rows, cols), fill, device=device)], axis=-2)
+    if missing_cols:
+        allowed = xp.concat(
+            [allowed, xp.full((*lead, rows + missing_rows, missing_cols), fill, device=device)], axis=-1
+        )
+    shape = (*lead, (rows + missing_rows) // q_block, q_block, (cols + missing_cols) // kv_block, kv_block)
+    return reduce(xp.reshape(allowed, shape), axis=(-3, -1))
+
+
+def _index_arrays(
+    xp: Any, batch: tuple[int, int], heads: int, rows: tuple[int, int], cols: tuple[int, int], device: Any
+) -> tuple[Any, Any, Any, Any]:
+    """``b (B, 1, 1, 1)``, ``h (1, H, 1, 1)``, ``q_idx (1, 1, rows, 1)``,
+    ``kv_idx (1, 1, 1, cols)``: the positions of a tile, for the mods."""
+    return (
+        xp.reshape(xp.arange(*batch, device=device), (-1, 1, 1, 1)),
+        xp.reshape(xp.arange(heads, device=device), (1, -1, 1, 1)),
+        xp.reshape(xp.arange(*rows, device=device), (1, 1, -1, 1)),
+        xp.reshape(xp.arange(*cols, device=device), (1, 1, 1, -1)),
+    )
+
+
+def _indices_said(indices: tuple[Any, ...]) -> str:
+    return ", ".join(
+        f"{name} of shape {_checks.shape_of(a)}" for name, a in zip(("b", "h", "q_idx", "kv_idx"), indices)
+    )
+
+
+def _call_mod(
+    operation: str,
+    chosen: Any,
+    name: str,
+    mod: Any,
+    arguments: tuple[Any, ...],
+    indices: tuple[Any, ...],
+    tile: tuple[int, ...],
+) -> Any:
+    """``mod(*arguments)``, checked to be an array of the backend that
+    broadcasts to ``tile``; one error naming the mod otherwise."""
+    try:
+        result = mod(*arguments)
+    except Exception as error:  # the user's code: any failure is the mod's
+        raise TypeError(
+            f"{operation}: {name} failed on index arrays ({_indices_said(indices)}) of the {chosen.name!r} backend: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    if not hasattr(result, "shape") or not hasattr(result, "dtype") or not chosen.owns(result):
+        raise TypeError(
+            f"{operation}: {name} must return an array of the {chosen.name!r} backend, got {type(result).__module__}.{type(result).__name__}"
+        )
+    try:
+        fits = _checks.broadcast(operation, {name: _checks.shape_of(result), "tile": tile}) == tile
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{operation}: {name} must return an array broadcastable to the tile's shape {tile} "
+            f"(for {_indices_said(indices)}), got shape {_checks.shape_of(result)}"
+        )
+    return result
+
+
+def call_mask_mod(
+    operation: str,
+    chosen: Any,
+    mask_mod: MaskMod,
+    batch: tuple[int, int],
+    heads: int,
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+    device: Any,
+) -> Any:
+    """``mask_mod`` on a tile's index arrays: a boolean array broadcastable
+    to ``(B, H, rows, cols)``, never fewer than 4 dimensions."""
+    xp = chosen.xp
+    indices = _index_arrays(xp, batch, heads, rows, cols, device)
+    tile = (batch[1] - batch[0], heads, rows[1] - rows[0], cols[1] - cols[0])
+    allowed = _call_mod(operation, chosen, "mask_mod", mask_mod, indices, indices, tile)
+    if allowed.dtype != xp.bool:
+        raise TypeError(
+            f"{operation}: mask_mod must return a boolean array (True attends), got dtype {_checks.dtype_name(allowed)}"
+        )
+    return _four_dimensional(xp, allowed)
+
+
+def call_score_mod(
+    operation: str,
+    chosen: Any,
+    score_mod: ScoreMod,
+    scores: Any,
+    batch: tuple[int, int],
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+) -> Any:
+    """``score_mod`` on a tile's scores ``(B, H, rows, cols)`` and index
+    arrays: scores of the same shape and dtype."""
+    xp = chosen.xp
+    indices = _index_arrays(xp, batch, scores.shape[1], rows, cols, _checks.device_of(scores))
+    tile = tuple(scores.shape)
+    result = _call_mod(operation, chosen, "score_mod", score_mod, (scores, *indices), indices, tile)
+    if result.dtype != scores.dtype:
+        raise TypeError(
+            f"{operation}: score_mod must return scores of their own dtype {_checks.dtype_name(scores)}, got "
+            f"{_checks.dtype_name(result)} (cast what it closes over to {_checks.dtype_name(scores)})"
+        )
+    return result if tuple(result.shape) == tile else xp.broadcast_to(result, tile)
+
+
+def _four_dimensional(xp: Any, array: Any) -> Any:
+    return array if array.ndim == 4 else xp.reshape(array, (1,) * (4 - array.ndim) + tuple(array.shape))
+
+
+def flex_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    score_mod: ScoreMod | None = None,
+    block_mask: BlockMask | None = None,
+    *,
+    scale: float | Any | None = None,
+    enable_gqa: bool = False,
+    return_weights: bool = False,
+    backend: str | None = None,
+) -> Any:
+    r"""Attention with programmable scores and masks:
+    :math:`\mathrm{softmax}(\mathrm{score\_mod}(q k^T s)\ \mathrm{masked}) v`.
+
+    Parameters
+    ----------
+    query : array, shape (B, H, n, d)
+    key : array, shape (B, H_kv, m, d)
+    value : array, shape (B, H_kv, m, d_v)
+        One floating dtype; ``B`` of key and value may be 1 (broadcast).
+    score_mod : callable ``(score, b, h, q_idx, kv_idx) -> score``, optional
+        Changes the scaled scores (a bias, a cap) before the softmax.
+    block_mask : BlockMask, optional
+        From :func:`create_block_mask` for ``(B or None, H or None, n, m)``:
+        its empty blocks are never computed, its partial blocks are masked
+        by its ``mask_mod``.
+    scale : float or 0-d array, optional
+        Multiplies the scores; ``1 / sqrt(d)`` by default.
+    enable_gqa : bool
+        Grouped-query attention: the ``H`` query heads share the ``H_kv``
+        key/value heads, query head ``h`` using ``h // (H // H_kv)``.
+    return_weights : bool
+        Also return the weights ``(B, H, n, m)`` (computed whole, without
+        skipping).
+    backend : str, optional
+        Run on this backend; by default the one that owns the inputs.
+
+    Returns
+    -------
+    output : array, shape (B, H, n, d_v)
+    weights : array, shape (B, H, n, m)
+        Only with ``return_weights=True``.
+
+    Notes
+    -----
+    A query with no key to attend gets zeros.  Work runs tile by tile on
+    the online softmax within the memory budget, so a sliding window of
+    width ``w`` costs O(n * w * d).  The mods are called once on a small
+    tile before any other work, so a mod that fails, or returns the wrong
+    shape or dtype, is named in one error.
+
+    Native implementations are called with the keyword arguments ``query``,
+    ``key``, ``value``, ``score_mod``, ``block_mask``, ``scale`` (a float, or
+    a 0-d array in the computation's dtype), ``enable_gqa`` and
+    ``return_weights``, after validation.
+    """
+    operation = _FLEX
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"{operation}: block_mask must be a BlockMask from attnx.create_block_mask, got {type(block_mask).__name__}"
+        )
+    kinds = None if block_mask is None else block_mask.kinds
+    chosen, reason = _dispatch.resolve(
+        operation,
+        backend,
+        ("query", "key", "value", "block_mask", "scale"),
+        (query, key, value, kinds, _checks.scale_array(scale)),
+        3,
+    )
+    xp = chosen.xp
+    _checks.require_flag(operation, "enable_gqa", enable_gqa)
+    _checks.require_flag(operation, "return_weights", return_weights)
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(
+            f"{operation}: score_mod must be a callable (score, b, h, q_idx, kv_idx) -> score, got {score_mod!r}"
+        )
+    batch, heads, n, m = _check_flex_inputs(operation, xp, query, key, value, enable_gqa)
+    scale = _checks.require_scale(operation, xp, scale, query.shape[-1], query.dtype)
+    if block_mask is not None:
+        _check_block_mask(operation, block_mask, batch, heads, n, m)
+    if score_mod is not None and n and m:
+        compute = _checks.accumulation_dtype(xp, query.dtype)
+        probe = xp.zeros((batch, heads, min(n, 2), min(m, 2)), dtype=compute, device=_checks.device_of(query))
+        call_score_mod(operation, chosen, score_mod, probe, (0, batch), (0, min(n, 2)), (0, min(m, 2)))
+    return _dispatch.call(
+        operation,
+        chosen,
+        reason,
+        _flex_generic,
+        {
+            "query": query,
+            "key": key,
+            "value": value,
+            "score_mod": score_mod,
+            "block_mask": block_mask,
+            "scale": scale,
+            "enable_gqa": enable_gqa,
+            "return_weights": return_weights,
+        },
+        {"backend": chosen},
+    )
+
+
+def _check_flex_inputs(
+    operation: str, xp: Any, query: Any, key: Any, value: Any, enable_gqa: bool
+) -> tuple[int, int, int, int]:
+    """Check ``(B, H, n, d)`` inputs; returns ``B`` (broadcast), ``H``, ``n`` and ``m``."""
+    for name, array, layout in (
+        ("query", query, "(B, H, n, d)"),
+        ("key", key, "(B, H_kv, m, d)"),
+        ("value", value, "(B, H_kv, m, d_v)"),
+    ):
+        if array.ndim != 4:
+            raise ValueError(f"{operation}: {name} must have shape {layout}, got shape {_checks.shape_of(array)}")
+        _checks.require_float(operation, xp, name, array)
+    _checks.require_same_dtype(operation, _checks.QKV, (query, key, value))
+    _checks.require_known(operation, _FLEX, {"query": query, "key": key, "value": value})
+    (batch, heads, n, d), (_, kv_heads, m, d_k) = query.shape, key.shape
+    if d_k != d:
+        raise ValueError(
+            f"{operation}: key must have shape (B, H_kv, m, d) with d = {d} (from query), got {_checks.shape_of(key)}"
+        )
+    if tuple(value.shape[1:3]) != (kv_heads, m):
+        raise ValueError(
+            f"{operation}: value must have shape (B, H_kv, m, d_v) with H_kv = {kv_heads} and m = {m} (from key), got {_checks.shape_of(value)}"
+        )
+    if enable_gqa:
+        if kv_heads == 0 or heads % kv_heads:
+            raise ValueError(
+                f"{operation}: with enable_gqa=True the query heads H must be a multiple of the key/value heads H_kv, got H = {heads} and H_kv = {kv_heads}"
+            )
+    elif kv_heads != heads:
+        raise ValueError(
+            f"{operation}: key and value must have the query's H = {heads} heads, got H_kv = {kv_heads} "
+            f"(pass enable_gqa=True for grouped-query attention)"
+        )
+    batch = _checks.broadcast(operation, {"query": (batch,), "key": (key.shape[0],), "value": (value.shape[0],)})[0]
+    return batch, heads, n, m
+
+
+def _check_block_mask(operation: str, block_mask: BlockMask, batch: int, heads: int, n: int, m: int) -> None:
+    mask_batch, mask_heads, q_len, kv_len = block_mask.shape
+    inputs = (batch, heads, n, m)
+    if (q_len, kv_len) != (n, m) or mask_batch not in (None, 1, batch) or mask_heads not in (None, 1, heads):
+        raise ValueError(
+            f"{operation}: block_mask was created for (B, H, Q_LEN, KV_LEN) = {block_mask.shape}, "
+            f"but the inputs have (B, H, n, m) = {inputs}; create it for these sizes"
+        )
+
+
+def _flex_generic(
+    xp: Any,
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    score_mod: ScoreMod | None,
+    block_mask: BlockMask | None,
+    scale: Any,
+    enable_gqa: bool,
+    return_weights: bool,
+    backend: Any,
+) -> Any:
+    """The generic algorithm, array API only (inputs already validated): the
+    heads grouped as ``(B, H_kv, G, n, d)`` so that G query heads share one
+    key/value head without copies, walked by :func:`attnx._tiling.attend_tiles`."""
+    batch_size, heads, n, d = query.shape
+    kv_heads, m, d_v = key.shape[1], key.shape[2], value.shape[3]
+    group = heads // kv_heads
+    batch = max(batch_size, key.shape[0], value.shape[0])
+    device, dtype = _checks.device_of(query), query.dtype
+    if n == 0 or m == 0:
+        output = xp.zeros((batch, heads, n, d_v), dtype=dtype, device=device)
+        return (output, xp.zeros((batch, heads, n, m), dtype=dtype, device=device)) if return_weights else output
+    grouped = (
+        xp.reshape(query, (batch_size, kv_heads, group, n, d)),
+        xp.reshape(key, (key.shape[0], kv_heads, 1, m, d)),
+        xp.reshape(value, (value.shape[0], kv_heads, 1, m, d_v)),
+    )
+    batch_shape = (batch, kv_heads, group)
+
+    def tile_scores(scores: Any, span: Any, rows: Any, cols: Any, masked: bool) -> tuple[Any, Any, Any]:
+        entries = span or (0, batch)
+        if score_mod is not None:
+            # The tile as the mod sees it, (B, H, rows, cols): the grouped
+            # heads (H_kv, G) are one axis of H in memory.
+            grouped_shape = tuple(scores.shape)
+            flat = xp.reshape(scores, (grouped_shape[0], heads, *grouped_shape[3:]))
+            scores = xp.reshape(call_score_mod(_FLEX, backend, score_mod, flat, entries, rows, cols), grouped_shape)
+        allowed = None
+        if masked:
+            allowed = call_mask_mod(_FLEX, backend, block_mask.mask_mod, entries, heads, rows, cols, device)
+            allowed = _grouped(xp, allowed, kv_heads, group)
+        return scores, allowed, None
+
+    if return_weights:
+        q, k, v = grouped
+        compute = _checks.accumulation_dtype(xp, dtype)
+        if compute != dtype:
+            q, k, v = (xp.astype(a, compute) for a in (q, k, v))
+        scores, allowed, _ = tile_scores(
+            (q * scale) @ xp.matrix_transpose(k), None, (0, n), (0, m), block_mask is not None
+        )
+        weights = _masking.softmax(xp, scores, allowed)
+        output = xp.reshape(weights @ v, (batch, heads, n, d_v))
+        weights = xp.reshape(xp.broadcast_to(weights, (*batch_shape, n, m)), (batch, heads, n, m))
+        if compute != dtype:
+            output, weights = xp.astype(output, dtype), xp.astype(weights, dtype)
+        return output, weights
+    if block_mask is None or block_mask._plan is None:
+        chunks = choose_chunks(xp, dtype, n, m, batch_shape, None, False, False, backend.concurrent_blocks)
+        query_chunk, key_chunk = chunks if chunks is not None else (n, m)
+        masked = block_mask is not None  # kinds unknown (traced, lazy): every tile masked
+
+        def tiles(span: Any, rows: Any) -> Any:
+            return _tiling.split(0, m, key_chunk, masked)
+    else:
+        query_chunk, kv_block = block_mask.block_size
+        width = _tiling.block_bytes(get_memory_budget(), backend.concurrent_blocks) // (
+            _tiling.itemsize(xp, dtype) * query_chunk
+        )
+        key_chunk = max(kv_block, min(_tiling.KEY_CHUNK, width) // kv_block * kv_block)
+        entries = (0, batch)
+
+        def tiles(span: Any, rows: Any) -> Any:
+            return block_mask.tiles(span or entries, rows, key_chunk)
+
+    output = _tiling.attend_tiles(
+        xp,
+        *grouped,
+        scale=scale,
+        batch_shape=batch_shape,
+        query_chunk=min(query_chunk, n),
+        key_chunk=key_chunk,
+        tiles=tiles,
+        tile_scores=tile_scores,
+        map_blocks=backend.map_blocks,
+        concurrent_blocks=backend.concurrent_blocks,
+    )
+    return xp.reshape(output, (batch, heads, n, d_v))
+
+
+def _grouped(xp: Any, array: Any, kv_heads: int, group: int) -> Any:
+    """A ``(b, h, rows, cols)`` array (``h`` 1 or ``H``) in the grouped layout
+    ``(b, H_kv or 1, G or 1, rows, cols)``."""
+    b, h, rows, cols = array.shape
+    return xp.reshape(array, (b, kv_heads, group, rows, cols) if h != 1 else (b, 1, 1, rows, cols))

@@ -1,0 +1,208 @@
+"""The common mods of :func:`attnx.flex_attention`, a few lines each.
+
+A ``mask_mod(b, h, q_idx, kv_idx)`` returns True where a query attends a
+key; a ``score_mod(score, b, h, q_idx, kv_idx)`` returns changed scores.
+Positions are those of the mod's arguments: ``q_idx`` and ``kv_idx`` count
+from the first query and the first key (PyTorch's convention: the causal
+mask is aligned to the top left, as :func:`attnx.masks.causal` with
+``align="top_left"``).  Every mod here is written with operators and the
+arrays' own namespace, so it also runs inside PyTorch's FlexAttention.
+
+Examples
+--------
+>>> import numpy as np, attnx
+>>> from attnx import mods
+>>> segments = np.array([0, 0, 1, 1, 1])
+>>> mask = attnx.create_block_mask(
+...     attnx.and_masks(mods.causal, mods.document(segments)), None, None, 5, 5, block_size=1
+... )
+>>> mask.kinds[0, 0].tolist()
+[[2, 0, 0, 0, 0], [2, 2, 0, 0, 0], [0, 0, 2, 0, 0], [0, 0, 2, 2, 0], [0, 0, 2, 2, 2]]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from array_api_compat import array_namespace
+
+from attnx import _checks, _dispatch, _masking
+
+__all__ = [
+    "alibi",
+    "alibi_slopes",
+    "causal",
+    "document",
+    "document_from_lengths",
+    "prefix_lm",
+    "relative_bias",
+    "sliding_window",
+    "soft_cap",
+]
+
+
+def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """``mask_mod``: a query attends the keys at or before its position."""
+    return _masking.causal_rule(q_idx, kv_idx)
+
+
+def sliding_window(window: int) -> Any:
+    """``mask_mod``: causal, and at most ``window`` keys back (the key at
+    ``q_idx - window`` included), as :func:`attnx.masks.sliding_window`."""
+    window = _checks.require_positive_int("sliding_window", "window", window, allow_zero=True)
+
+    def sliding_window_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return _masking.window_rule(q_idx, kv_idx, window, 0)
+
+    return sliding_window_mask
+
+
+def document(document_ids: Any) -> Any:
+    """``mask_mod`` for packed sequences: a query attends keys of its own
+    document only.
+
+    Parameters
+    ----------
+    document_ids : integer array, shape (n,) or (B, n)
+        The document of each position (one row per batch entry, or one for
+        all), of the inputs' backend.  Combine with :func:`causal` through
+        :func:`attnx.and_masks` for causal packed sequences.
+    """
+    _require_integer_array("document", "document_ids", document_ids, (1, 2))
+    if document_ids.ndim == 1:
+
+        def same_document(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return document_ids[q_idx] == document_ids[kv_idx]
+
+    else:
+
+        def same_document(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return document_ids[b, q_idx] == document_ids[b, kv_idx]
+
+    return same_document
+
+
+def document_from_lengths(lengths: Any, n: int) -> Any:
+    """:func:`document` for documents of ``lengths`` packed one after the
+    other in ``n`` positions (positions past their sum form one more
+    document).
+
+    Parameters
+    ----------
+    lengths : integer array, shape (num_documents,)
+    n : int
+        Positions (queries and keys).
+    """
+    _require_integer_array("document_from_lengths", "lengths", lengths, (1,))
+    n = _checks.require_positive_int("document_from_lengths", "n", n)
+    xp = array_namespace(lengths)
+    ends = xp.cumulative_sum(lengths)
+    positions = xp.arange(n, dtype=ends.dtype, device=_checks.device_of(lengths))
+    return document(xp.searchsorted(ends, positions, side="right"))
+
+
+def prefix_lm(prefix_length: int | Any) -> Any:
+    """``mask_mod`` of a prefix language model: the first ``prefix_length``
+    keys are attended by every query (bidirectional), the rest causally.
+    ``prefix_length`` is an int, or an integer array ``(B,)`` of one per
+    batch entry."""
+    if hasattr(prefix_length, "shape"):
+        _require_integer_array("prefix_lm", "prefix_length", prefix_length, (1,))
+
+        def prefix_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return (kv_idx < prefix_length[b]) | _masking.causal_rule(q_idx, kv_idx)
+
+    else:
+        prefix_length = _checks.require_positive_int("prefix_lm", "prefix_length", prefix_length, allow_zero=True)
+
+        def prefix_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return (kv_idx < prefix_length) | _masking.causal_rule(q_idx, kv_idx)
+
+    return prefix_mask
+
+
+def alibi(slopes: Any) -> Any:
+    """``score_mod`` of ALiBi (Press et al. 2022): adds ``slope[h] * (kv_idx -
+    q_idx)``, a penalty growing with the distance to past keys.
+
+    Parameters
+    ----------
+    slopes : real array, shape (H,)
+        One slope per head (:func:`alibi_slopes`), of the inputs' backend
+        and dtype; gradients reach it where the backend has autograd.
+    """
+    _require_array("alibi", "slopes", slopes, (1,))
+
+    def alibi_bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        distance = array_namespace(score).astype(kv_idx - q_idx, score.dtype)
+        return score + slopes[h] * distance
+
+    return alibi_bias
+
+
+def alibi_slopes(num_heads: int, *, dtype: Any = "float32", backend: str | None = None, device: Any = None) -> Any:
+    """The ALiBi slopes of ``num_heads`` heads, ``(num_heads,)``: the
+    geometric sequence ``2**(-8 / p), 2**(-16 / p), ...`` for the power of
+    two ``p`` at or above ``num_heads``, interleaved as in the paper's code
+    when ``num_heads`` is not a power of two."""
+    operation = "alibi_slopes"
+    num_heads = _checks.require_positive_int(operation, "num_heads", num_heads)
+    chosen, _, device = _dispatch.resolve_creation(operation, backend, device)
+    name = _checks.require_dtype_name(operation, chosen.xp, chosen.name, dtype)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2 ** (-8 * (i + 1) / closest) for i in range(closest)]
+    if closest < num_heads:  # the odd powers of the next power of two fill the rest
+        slopes += [2 ** (-4 * (2 * i + 1) / closest) for i in range(num_heads - closest)]
+    return chosen.xp.asarray(slopes, dtype=getattr(chosen.xp, name), device=device)
+
+
+def soft_cap(cap: float) -> Any:
+    """``score_mod`` that caps the scores smoothly: ``cap * tanh(score / cap)``
+    (Gemma 2, Grok)."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"soft_cap: cap must be a positive finite number, got {cap!r}")
+    cap = float(cap)
+
+    def capped(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return cap * array_namespace(score).tanh(score / cap)
+
+    return capped
+
+
+def relative_bias(table: Any) -> Any:
+    """``score_mod`` that adds a learned bias of the relative position:
+    ``table[..., clip(q_idx - kv_idx, -R, R) + R]`` (Shaw et al. 2018:
+    distances beyond ``R`` share the bias of ``R``).
+
+    Parameters
+    ----------
+    table : real array, shape (2R + 1,) or (H, 2R + 1)
+        One bias per distance (per head), of the inputs' backend and dtype.
+    """
+    _require_array("relative_bias", "table", table, (1, 2))
+    reach = (table.shape[-1] - 1) // 2
+    if table.shape[-1] % 2 == 0:
+        raise ValueError(
+            f"relative_bias: table must have an odd length 2R + 1 on its last axis, got shape {_checks.shape_of(table)}"
+        )
+
+    def bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        distance = array_namespace(score).clip(q_idx - kv_idx, -reach, reach) + reach
+        return score + (table[distance] if table.ndim == 1 else table[h, distance])
+
+    return bias
+
+
+def _require_array(operation: str, name: str, array: Any, ndims: tuple[int, ...]) -> None:
+    if not hasattr(array, "shape") or not hasattr(array, "ndim"):
+        raise TypeError(f"{operation}: {name} must be an array, got {type(array).__name__}")
+    if array.ndim not in ndims:
+        expected = " or ".join(f"{d} dimension{'s' * (d > 1)}" for d in ndims)
+        raise ValueError(f"{operation}: {name} must have {expected}, got shape {_checks.shape_of(array)}")
+
+
+def _require_integer_array(operation: str, name: str, array: Any, ndims: tuple[int, ...]) -> None:
+    _require_array(operation, name, array, ndims)
+    if _checks.dtype_kind(array_namespace(array), array) != "int":
+        raise TypeError(f"{operation}: {name} must have an integer dtype, got {_checks.dtype_name(array)}")
