@@ -24,6 +24,13 @@ def device_of(array: Any) -> Any:
     return device if device is not None else array_api_compat.device(array)
 
 
+def namespace_of(array: Any) -> Any:
+    """The array API namespace of ``array``: its backend's (one dict lookup,
+    which torch.compile traces without warnings), else array-api-compat's."""
+    owner = registry.owner_of(array)
+    return owner.xp if owner is not None else array_api_compat.array_namespace(array)
+
+
 def shape_of(array: Any) -> tuple[int, ...]:
     return tuple(array.shape)
 

@@ -65,6 +65,8 @@ class BlockMask:
     kinds : integer array, shape (B or 1, H or 1, q_blocks, kv_blocks)
         Of the backend that made it: :data:`EMPTY` (0), :data:`PARTIAL` (1)
         or :data:`FULL` (2) for each block.
+    backend : str
+        The backend that made it, whose arrays it is used with.
     """
 
     def __init__(
@@ -74,12 +76,14 @@ class BlockMask:
         shape: tuple[int | None, int | None, int, int],
         block_size: tuple[int, int],
         kinds: Any,
+        backend: str,
         plan: list[list[list[tuple[tuple[int, int], ...]]]] | None,
     ) -> None:
         self.mask_mod = mask_mod
         self.shape = shape
         self.block_size = block_size
         self.kinds = kinds
+        self.backend = backend
         # Per (b, h, query block): the non-empty key blocks as (index, kind),
         # read once from concrete kinds; None where they were traced or lazy
         # (then every block is computed, with its mask).
@@ -245,7 +249,14 @@ def create_block_mask(
             [[tuple((kb, kind) for kb, kind in enumerate(row) if kind) for row in head] for head in entry]
             for entry in chosen.to_numpy(kinds).tolist()
         ]
-    return BlockMask(mask_mod=mask_mod, shape=(B, H, n, m), block_size=(q_block, kv_block), kinds=kinds, plan=plan)
+    return BlockMask(
+        mask_mod=mask_mod,
+        shape=(B, H, n, m),
+        block_size=(q_block, kv_block),
+        kinds=kinds,
+        backend=chosen.name,
+        plan=plan,
+    )
 
 
 def _block_size(operation: str, block_size: Any) -> tuple[int, int]:
@@ -447,15 +458,15 @@ def flex_attention(
         raise TypeError(
             f"{operation}: block_mask must be a BlockMask from attnx.create_block_mask, got {type(block_mask).__name__}"
         )
-    kinds = None if block_mask is None else block_mask.kinds
     chosen, reason = _dispatch.resolve(
-        operation,
-        backend,
-        ("query", "key", "value", "block_mask", "scale"),
-        (query, key, value, kinds, _checks.scale_array(scale)),
-        3,
+        operation, backend, ("query", "key", "value", "scale"), (query, key, value, _checks.scale_array(scale)), 3
     )
     xp = chosen.xp
+    if block_mask is not None and not chosen.owns(block_mask.kinds):
+        raise TypeError(
+            f"{operation}: block_mask was created on the {block_mask.backend!r} backend but the inputs are "
+            f"{chosen.name!r} arrays; create it with attnx.create_block_mask(..., backend={chosen.name!r})"
+        )
     _checks.require_flag(operation, "enable_gqa", enable_gqa)
     _checks.require_flag(operation, "return_weights", return_weights)
     if score_mod is not None and not callable(score_mod):

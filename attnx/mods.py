@@ -25,8 +25,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from array_api_compat import array_namespace
-
 from attnx import _checks, _dispatch, _masking
 
 __all__ = [
@@ -96,7 +94,7 @@ def document_from_lengths(lengths: Any, n: int) -> Any:
     """
     _require_integer_array("document_from_lengths", "lengths", lengths, (1,))
     n = _checks.require_positive_int("document_from_lengths", "n", n)
-    xp = array_namespace(lengths)
+    xp = _checks.namespace_of(lengths)
     ends = xp.cumulative_sum(lengths)
     positions = xp.arange(n, dtype=ends.dtype, device=_checks.device_of(lengths))
     return document(xp.searchsorted(ends, positions, side="right"))
@@ -135,7 +133,7 @@ def alibi(slopes: Any) -> Any:
     _require_array("alibi", "slopes", slopes, (1,))
 
     def alibi_bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        distance = array_namespace(score).astype(kv_idx - q_idx, score.dtype)
+        distance = _checks.namespace_of(score).astype(kv_idx - q_idx, score.dtype)
         return score + slopes[h] * distance
 
     return alibi_bias
@@ -165,7 +163,7 @@ def soft_cap(cap: float) -> Any:
     cap = float(cap)
 
     def capped(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return cap * array_namespace(score).tanh(score / cap)
+        return cap * _checks.namespace_of(score).tanh(score / cap)
 
     return capped
 
@@ -188,7 +186,9 @@ def relative_bias(table: Any) -> Any:
         )
 
     def bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        distance = array_namespace(score).clip(q_idx - kv_idx, -reach, reach) + reach
+        xp, distance = _checks.namespace_of(score), q_idx - kv_idx
+        # where, not clip: array-api-compat's clip reads its bounds in Python, which PyTorch's flex can't trace
+        distance = xp.where(distance > reach, reach, xp.where(distance < -reach, -reach, distance)) + reach
         return score + (table[distance] if table.ndim == 1 else table[h, distance])
 
     return bias
@@ -204,5 +204,5 @@ def _require_array(operation: str, name: str, array: Any, ndims: tuple[int, ...]
 
 def _require_integer_array(operation: str, name: str, array: Any, ndims: tuple[int, ...]) -> None:
     _require_array(operation, name, array, ndims)
-    if _checks.dtype_kind(array_namespace(array), array) != "int":
+    if _checks.dtype_kind(_checks.namespace_of(array), array) != "int":
         raise TypeError(f"{operation}: {name} must have an integer dtype, got {_checks.dtype_name(array)}")
