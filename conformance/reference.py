@@ -216,3 +216,31 @@ def causal_conv1d(x, weight, bias=None, stride=1, dilation=1):
     if bias is not None:
         y += np.asarray(bias, np.float64)[:, None]
     return y
+
+
+def flex_attention(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    *,
+    score: object = None,
+    allowed: np.ndarray | None = None,
+    scale: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """FlexAttention from its definition: query head ``h`` reads key/value
+    head ``h // (H // H_kv)``; ``score(scores, b, h, i, j)`` (a function of
+    the full score array and index grids) changes the scaled scores; the
+    ``allowed`` (B, H, n, m) mask applies after.  Returns (output, weights)."""
+    query, key, value = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
+    batch, heads, n, d = query.shape
+    group = heads // key.shape[1]
+    key = np.broadcast_to(np.repeat(key, group, axis=1), (batch, heads, *key.shape[2:]))
+    value = np.broadcast_to(np.repeat(value, group, axis=1), (batch, heads, *value.shape[2:]))
+    scores = np.einsum("bhnd,bhmd->bhnm", query, key) * (1.0 / math.sqrt(d) if scale is None else scale)
+    if score is not None:
+        b, h, i, j = np.meshgrid(
+            np.arange(batch), np.arange(heads), np.arange(n), np.arange(key.shape[2]), indexing="ij"
+        )
+        scores = score(scores, b, h, i, j)
+    weights = softmax(scores, allowed)
+    return np.einsum("bhnm,bhmd->bhnd", weights, value), weights

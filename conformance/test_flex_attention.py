@@ -1,0 +1,227 @@
+"""flex_attention, create_block_mask and the mods of attnx.mods on every backend.
+
+The mods are written once, closing over the backend's own arrays where they
+need tables (slopes, document ids); the reference computes each mask and
+score change from its definition in float64 NumPy.  Shapes are chosen to
+catch the usual slips: n != m, grouped-query heads, block sizes that divide
+neither n nor m, rows with nothing to attend.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnx
+from attnx import mods
+from attnx_conformance import reference
+from attnx_conformance.helpers import assert_close, rng, rounded
+
+pytestmark = pytest.mark.attnx_operation("flex_attention")
+
+B, H, H_KV, N, M, D = 2, 4, 2, 19, 23, 6
+BLOCK = (8, 5)
+
+
+def _indexable(be):
+    """Skip where the backend's arrays can't be indexed by an n-d integer
+    array: mods that close over tables (``slopes[h]``) need it."""
+    table, index = be.array(np.arange(3)), be.xp.reshape(be.array(np.arange(2)), (1, 2))
+    try:
+        table[index]
+    except Exception as error:  # the library's own refusal, reported as the reason
+        pytest.skip(f"{be.name} arrays can't be indexed by an n-d integer array ({type(error).__name__}: {error})")
+
+
+def _document_ids():
+    gen = rng(90)
+    return np.sort(gen.integers(0, 4, size=(B, max(N, M))), axis=1)
+
+
+#: name -> (needs n-d integer indexing, builder(be) -> (score_mod, mask_mod), reference score, reference mask)
+#: The reference functions take NumPy index grids b, h, i (query), j (key).
+SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])
+TABLE = rng(91).standard_normal((H, 7))
+PREFIX = np.array([3, 8])
+LENGTHS = np.array([5, 9, 4])
+DOC_OF_LENGTHS = np.repeat(np.arange(4), [5, 9, 4, 5])
+
+CASES = {
+    "no mods": (False, lambda be: (None, None), None, None),
+    "causal": (False, lambda be: (None, mods.causal), None, lambda b, h, i, j: j <= i),
+    "sliding window": (
+        False,
+        lambda be: (None, mods.sliding_window(4)),
+        None,
+        lambda b, h, i, j: (j <= i) & (i - j <= 4),
+    ),
+    "document": (
+        True,
+        lambda be: (None, mods.document(be.array(_document_ids()))),
+        None,
+        lambda b, h, i, j: _document_ids()[b, i] == _document_ids()[b, j],
+    ),
+    "document from lengths, causal": (
+        True,
+        lambda be: (None, attnx.and_masks(mods.causal, mods.document_from_lengths(be.array(LENGTHS), max(N, M)))),
+        None,
+        lambda b, h, i, j: (j <= i) & (DOC_OF_LENGTHS[i] == DOC_OF_LENGTHS[j]),
+    ),
+    "prefix-LM per batch entry": (
+        True,
+        lambda be: (None, mods.prefix_lm(be.array(PREFIX))),
+        None,
+        lambda b, h, i, j: (j < PREFIX[b]) | (j <= i),
+    ),
+    "ALiBi": (
+        True,
+        lambda be: (mods.alibi(be.array(SLOPES, "float64")), None),
+        lambda s, b, h, i, j: s + SLOPES[h] * (j - i),
+        None,
+    ),
+    "soft cap, causal": (
+        False,
+        lambda be: (mods.soft_cap(1.5), mods.causal),
+        lambda s, b, h, i, j: 1.5 * np.tanh(s / 1.5),
+        lambda b, h, i, j: j <= i,
+    ),
+    "relative bias, sliding window": (
+        True,
+        lambda be: (mods.relative_bias(be.array(TABLE, "float64")), mods.sliding_window(6)),
+        lambda s, b, h, i, j: s + TABLE[h, np.clip(i - j, -3, 3) + 3],
+        lambda b, h, i, j: (j <= i) & (i - j <= 6),
+    ),
+    "or of masks, rows with nothing": (
+        False,
+        lambda be: (
+            None,
+            attnx.and_masks(attnx.or_masks(mods.sliding_window(2), mods.prefix_lm(4)), lambda b, h, q, kv: q % 3 != 0),
+        ),
+        None,
+        lambda b, h, i, j: (((j <= i) & (i - j <= 2)) | (j < 4) | (j <= i)) & (i % 3 != 0),
+    ),
+}
+
+#: The cases also checked with return_weights=True (the dense path).
+WITH_WEIGHTS = ("no mods", "soft cap, causal", "or of masks, rows with nothing")
+
+
+def _inputs(be, dtype):
+    gen = rng(92)
+    data = [gen.standard_normal(shape) for shape in ((B, H, N, D), (B, H_KV, M, D), (B, H_KV, M, 3))]
+    return [be.array(a, dtype) for a in data], [rounded(a, be, dtype) for a in data]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_flex_attention_matches_the_definition(attnx_backend, case):
+    be = attnx_backend
+    needs_indexing, build, score, allowed = CASES[case]
+    if needs_indexing:
+        _indexable(be)
+    dtype = be.dtype("float64")
+    (query, key, value), exact = _inputs(be, dtype)
+    score_mod, mask_mod = build(be)
+    block_mask = None if mask_mod is None else attnx.create_block_mask(mask_mod, B, H, N, M, block_size=BLOCK)
+    grids = np.meshgrid(np.arange(B), np.arange(H), np.arange(N), np.arange(M), indexing="ij")
+    expected, expected_weights = reference.flex_attention(
+        *exact, score=score, allowed=None if allowed is None else allowed(*grids)
+    )
+    output = attnx.flex_attention(query, key, value, score_mod, block_mask, enable_gqa=True)
+    assert_close(output, expected, be, dtype, like=query)
+    if case in WITH_WEIGHTS:
+        output, weights = attnx.flex_attention(
+            query, key, value, score_mod, block_mask, enable_gqa=True, return_weights=True
+        )
+        assert_close(output, expected, be, dtype, like=query)
+        assert_close(weights, expected_weights, be, dtype, like=query)
+
+
+def test_float32_sliding_window_with_many_tiles(attnx_backend):
+    """float32, blocks of 4 queries and 3 keys: many tiles, merged runs."""
+    be = attnx_backend
+    (query, key, value), exact = _inputs(be, "float32")
+    block_mask = attnx.create_block_mask(mods.sliding_window(7), None, None, N, M, block_size=(4, 3))
+    grids = np.meshgrid(np.arange(B), np.arange(H), np.arange(N), np.arange(M), indexing="ij")
+    expected, _ = reference.flex_attention(*exact, allowed=(grids[3] <= grids[2]) & (grids[2] - grids[3] <= 7))
+    assert_close(attnx.flex_attention(query, key, value, None, block_mask, enable_gqa=True), expected, be, "float32")
+
+
+def test_block_mask_records_empty_partial_and_full_blocks(attnx_backend):
+    be = attnx_backend
+    _indexable(be)
+    limits = be.array(np.array([5, 30]))  # entry 0: keys < 5 + 2h; entry 1: every key, causal
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx < limits[b] + 2 * h) & (kv_idx <= q_idx + 3)
+
+    block_mask = attnx.create_block_mask(mask_mod, B, H, N, M, block_size=BLOCK)
+    b, h, i, j = np.meshgrid(np.arange(B), np.arange(H), np.arange(N), np.arange(M), indexing="ij")
+    dense = (j < np.array([5, 30])[b] + 2 * h) & (j <= i + 3)
+    expected = np.zeros((B, H, 3, 5), dtype=int)
+    for index in np.ndindex(*expected.shape):
+        *lead, qb, kb = index
+        block = dense[(*lead, slice(qb * 8, qb * 8 + 8), slice(kb * 5, kb * 5 + 5))]
+        expected[index] = 2 if block.all() else 1 if block.any() else 0
+    assert be.backend.owns(block_mask.kinds)
+    np.testing.assert_array_equal(be.numpy(block_mask.kinds), expected)
+    assert block_mask.shape == (B, H, N, M) and block_mask.block_size == BLOCK
+    if not be.lazy:
+        assert block_mask.sparsity == pytest.approx((expected == 0).mean())
+
+
+BAD_MODS = {
+    "score_mod returns integers": (
+        TypeError,
+        "score_mod must return scores of their own dtype",
+        lambda be: dict(score_mod=lambda s, b, h, q, kv: be.xp.astype(s, be.xp.int32)),
+    ),
+    "score_mod returns a wider tile": (
+        ValueError,
+        "score_mod must return an array broadcastable",
+        lambda be: dict(score_mod=lambda s, b, h, q, kv: be.xp.concat([s, s], axis=-1)),
+    ),
+    "score_mod fails on index arrays": (
+        TypeError,
+        "score_mod failed on index arrays",
+        lambda be: dict(score_mod=lambda s, b, h, q, kv: s + [0.0, 1.0][q]),
+    ),
+    "mask_mod returns floats": (
+        TypeError,
+        "mask_mod must return a boolean array",
+        lambda be: dict(
+            block_mask=attnx.create_block_mask(
+                lambda b, h, q, kv: be.xp.astype(kv <= q, be.xp.float32), None, None, N, M
+            )
+        ),
+    ),
+    "block mask for other sizes": (
+        ValueError,
+        rf"created for \(B, H, Q_LEN, KV_LEN\) = \(None, None, {N - 1}, {M}\).*\(B, H, n, m\) = \({B}, {H}, {N}, {M}\)",
+        lambda be: dict(block_mask=attnx.create_block_mask(mods.causal, None, None, N - 1, M)),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MODS))
+def test_bad_mods_get_one_clear_error(attnx_backend, case):
+    be = attnx_backend
+    error, message, arguments = BAD_MODS[case]
+    (query, key, value), _ = _inputs(be, "float32")
+    with pytest.raises(error, match=message):
+        kwargs = arguments(be)
+        attnx.flex_attention(query, key, value, enable_gqa=True, **kwargs)
+
+
+def test_gradients_reach_the_inputs_and_what_a_mod_closes_over(attnx_backend):
+    from attnx_conformance.test_gradients import check_gradients
+
+    be = attnx_backend
+    _indexable(be)
+    block_mask = attnx.create_block_mask(mods.sliding_window(1), None, None, 3, 4, block_size=2)
+
+    def attention(q, k, v, slopes):
+        return attnx.flex_attention(q, k, v, mods.alibi(slopes), block_mask, enable_gqa=True)
+
+    gen = rng(93)
+    arrays = [gen.standard_normal(shape) for shape in ((1, 2, 3, 2), (1, 1, 4, 2), (1, 1, 4, 2), (2,))]
+    check_gradients(be, attention, arrays)
