@@ -109,19 +109,19 @@ class BlockMask:
         plan = self._plan
         entries = range(*batch) if len(plan) > 1 else range(1)
         query_blocks = range(rows[0] // q_block, (rows[1] - 1) // q_block + 1)
-        seen: dict[int, int] = {}  # key block: how many (b, h, query block) find it full
-        total = len(entries) * len(plan[0]) * len(query_blocks)
-        present: dict[int, int] = {}
+        # A key block non-empty somewhere is visited; it is unmasked only
+        # where every (b, h, query block) finds it full.
+        full_count: dict[int, int] = {}
         for b in entries:
             for heads in plan[b]:
                 for qb in query_blocks:
                     for kb, kind in heads[qb]:
-                        present[kb] = present.get(kb, 0) + 1
-                        seen[kb] = seen.get(kb, 0) + (kind == FULL)
+                        full_count[kb] = full_count.get(kb, 0) + (kind == FULL)
+        total = len(entries) * len(plan[0]) * len(query_blocks)
         kv_len, run = self.shape[3], max(1, key_chunk // kv_block)
         tiles: list[_tiling.Tile] = []
-        for kb in sorted(present):
-            masked = seen[kb] < total or present[kb] < total
+        for kb in sorted(full_count):
+            masked = full_count[kb] < total
             start, stop = kb * kv_block, min(kv_len, (kb + 1) * kv_block)
             if tiles and tiles[-1][1] == start and tiles[-1][2] == masked and stop - tiles[-1][0] <= run * kv_block:
                 tiles[-1] = (tiles[-1][0], stop, masked)

@@ -2,13 +2,15 @@
 
 Its native scaled dot-product attention calls
 ``torch.nn.functional.scaled_dot_product_attention`` (which picks a fused
-flash kernel when it can) with attnx's masks translated to PyTorch's.
+flash kernel when it can) with attnx's masks translated to PyTorch's; on
+CUDA its native ``flex_attention`` calls PyTorch's compiled FlexAttention.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -97,7 +99,10 @@ class TorchBackend(Backend):
 
     def implementations(self) -> Mapping[str, Callable[..., Any]]:
         if self._natives is None:
-            self._natives = {"scaled_dot_product_attention": _scaled_dot_product_attention}
+            self._natives = {
+                "scaled_dot_product_attention": _scaled_dot_product_attention,
+                "flex_attention": _flex_attention,
+            }
         return self._natives
 
 
@@ -165,6 +170,65 @@ def _scaled_dot_product_attention(
         attn_mask = attn_mask.expand(*leading, n, m).reshape(1, -1, n, m)
     output = fused(query, key, value, attn_mask, 0.0, is_causal, scale=scale)
     return output.reshape(*leading, n, d_v)
+
+
+def _flex_attention(
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    score_mod: Any,
+    block_mask: Any,
+    scale: Any,
+    enable_gqa: bool,
+    return_weights: bool,
+) -> Any:
+    # PyTorch's FlexAttention is fused and faster where it compiles kernels
+    # (CUDA); on the CPU it has no backward, and eager it materialises the
+    # scores: attnx's tiles are the better path there.
+    if return_weights or query.device.type != "cuda":
+        return NotImplemented
+    return pytorch_flex(query, key, value, score_mod, block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+#: PyTorch's block masks made from attnx's, per (attnx block mask, device).
+_torch_block_masks: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+_compiled_flex: list[Any] = []
+
+
+def pytorch_flex(
+    query: Any,
+    key: Any,
+    value: Any,
+    score_mod: Any,
+    block_mask: Any,
+    *,
+    scale: Any,
+    enable_gqa: bool,
+    compiled: bool = True,
+) -> Any:
+    """attnx's ``flex_attention`` through ``torch.nn.attention.flex_attention``
+    (compiled unless ``compiled=False``): the same mods, and attnx's block
+    mask remade as PyTorch's from its ``mask_mod`` (once per device)."""
+    from torch.nn.attention import flex_attention as flex
+
+    torch_mask = None
+    if block_mask is not None:
+        per_device = _torch_block_masks.setdefault(block_mask, {})
+        torch_mask = per_device.get(str(query.device))
+        if torch_mask is None:
+            batch, heads, n, m = block_mask.shape
+            torch_mask = per_device[str(query.device)] = flex.create_block_mask(
+                block_mask.mask_mod, batch, heads, n, m, device=query.device, BLOCK_SIZE=block_mask.block_size
+            )
+    if not isinstance(scale, float):  # a tensor: PyTorch's flex takes a float, so fold it into the queries
+        query, scale = query * scale, 1.0
+    if compiled and not _compiled_flex:
+        import torch
+
+        _compiled_flex.append(torch.compile(flex.flex_attention))
+    function = _compiled_flex[0] if compiled else flex.flex_attention
+    return function(query, key, value, score_mod=score_mod, block_mask=torch_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 # Imported on first use, then looked up as globals: a per-call import costs

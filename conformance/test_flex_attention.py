@@ -167,6 +167,11 @@ def test_block_mask_records_empty_partial_and_full_blocks(attnx_backend):
     assert block_mask.shape == (B, H, N, M) and block_mask.block_size == BLOCK
     if not be.lazy:
         assert block_mask.sparsity == pytest.approx((expected == 0).mean())
+    # A block full for one (b, h) and empty for another is masked for both.
+    (query, key, value), exact = _inputs(be, be.dtype("float64"))
+    reference_output, _ = reference.flex_attention(*exact, allowed=dense)
+    output = attnx.flex_attention(query, key, value, None, block_mask, enable_gqa=True)
+    assert_close(output, reference_output, be, be.dtype("float64"))
 
 
 BAD_MODS = {
