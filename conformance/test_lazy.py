@@ -119,7 +119,13 @@ def _from_lengths(arrays, xp):
     return attnx.masks.from_lengths(_lengths(arrays["tokens"]), 6)
 
 
+def _flex(arrays, xp):
+    window = attnx.create_block_mask(attnx.mods.sliding_window(2), None, None, 5, 6, block_size=2)
+    return attnx.flex_attention(arrays["query"], arrays["key"], arrays["value"], attnx.mods.soft_cap(1.0), window)
+
+
 OPERATIONS = {
+    "flex_attention": _flex,
     "scaled_dot_product_attention": _sdpa,
     "scaled_dot_product_attention masked": _sdpa_masked,
     "scaled_dot_product_attention causal": _sdpa_causal,
