@@ -35,10 +35,37 @@ from typing import Any
 
 from attnx._table import format_table
 
-#: Operations a case can time.  Baselines run only the SDPA operations.
-OPERATIONS = ("sdpa", "sdpa_causal", "multi_head_attention", "additive_attention")
+#: Operations a case can time.  ``sliding_window``: a causal sliding window
+#: of :attr:`Case.window` keys through :func:`attnx.flex_attention` and a
+#: block mask (made before the timing, as it is reused across calls).
+OPERATIONS = ("sdpa", "sdpa_causal", "multi_head_attention", "additive_attention", "sliding_window")
 #: Baselines: name -> the library they need.
-BASELINES = {"numpy-textbook": "numpy", "torch-sdpa": "torch", "jax-sdpa": "jax", "keras-sdpa": "keras"}
+BASELINES = {
+    "numpy-textbook": "numpy",
+    "torch-sdpa": "torch",
+    "jax-sdpa": "jax",
+    "keras-sdpa": "keras",
+    "attnx-dense-mask": "numpy",
+    "torch-flex": "torch",
+    "torch-flex-compiled": "torch",
+}
+#: The operations each baseline implements.  ``attnx-dense-mask`` is attnx's
+#: scaled_dot_product_attention on NumPy with the window as a dense mask;
+#: ``torch-flex`` PyTorch's FlexAttention with its own block mask, eager
+#: (it materialises the scores on the CPU) and under torch.compile.
+BASELINE_OPERATIONS = {
+    "numpy-textbook": ("sdpa", "sdpa_causal"),
+    "torch-sdpa": ("sdpa", "sdpa_causal"),
+    "jax-sdpa": ("sdpa", "sdpa_causal"),
+    "keras-sdpa": ("sdpa", "sdpa_causal"),
+    "attnx-dense-mask": ("sliding_window",),
+    "torch-flex": ("sliding_window",),
+    "torch-flex-compiled": ("sliding_window",),
+}
+#: Baselines whose memory grows with the whole (B, H, n, n) scores or mask
+#: run only where those stay within this many bytes.
+DENSE_LIMIT_BYTES = 2 * 2**30
+DENSE_BASELINES = ("numpy-textbook", "attnx-dense-mask", "torch-flex")
 #: ``attnx bench --grid``: the shapes people use, (batch, n, head dim), 8 heads.
 GRID = {"batch": (1, 16, 64), "sizes": (128, 512, 2048, 8192), "head_dim": (64, 128), "heads": 8}
 #: Each case is timed over at least this many seconds (and ``repeat`` calls)...
@@ -65,6 +92,8 @@ class Case:
     threads: int | None = None
     #: Dask only: run on a local cluster of this many single-threaded worker processes.
     workers: int | None = None
+    #: sliding_window only: keys each query attends before its own.
+    window: int = 256
 
     @property
     def label(self) -> str:
@@ -75,6 +104,9 @@ class Case:
     def flops(self) -> float:
         """FLOPs of the attention proper (projections of multi-head attention not counted)."""
         full = 4.0 * self.batch * self.heads * self.n * self.n * self.head_dim
+        if self.operation == "sliding_window":  # the scores inside the window only
+            keys = min(self.n, self.window + 1)
+            return full * (keys * self.n - keys * (keys - 1) / 2) / (self.n * self.n)
         return full / 2 if self.operation == "sdpa_causal" else full
 
 
@@ -241,6 +273,8 @@ def _callable(case: Case) -> tuple[Callable[[], Any], Callable[[], None]]:
     if case.implementation == "torch-sdpa":
         fused = library.nn.functional.scaled_dot_product_attention
         return (lambda: fused(q, k, v, is_causal=causal)), sync
+    if case.operation == "sliding_window":
+        return _sliding_window(case, q, k, v, library), sync
     import attnx
 
     backend = _library(case)
@@ -258,6 +292,35 @@ def _callable(case: Case) -> tuple[Callable[[], Any], Callable[[], None]]:
         additive = {"w_q": params["w_q"], "w_k": params["w_k"], "w_v": params["b_q"] + 0.1}
         return _as_users_run(case, lambda x: attnx.additive_attention(x, x, x, additive), x), sync
     raise ValueError(f"unknown operation {case.operation!r}; choose from {OPERATIONS}")
+
+
+def _sliding_window(case: Case, q: Any, k: Any, v: Any, library: Any) -> Callable[[], Any]:
+    """A causal sliding window of ``case.window`` keys, by the case's
+    implementation; the block masks are made here, before any timing."""
+    window, n = case.window, case.n
+    if case.implementation in ("torch-flex", "torch-flex-compiled"):
+        import warnings
+
+        from torch.nn.attention import flex_attention as flex
+
+        def in_window(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return (kv_idx <= q_idx) & (q_idx - kv_idx <= window)
+
+        block_mask = flex.create_block_mask(in_window, None, None, n, n, device=q.device)
+        attend = flex.flex_attention
+        if case.implementation == "torch-flex-compiled":
+            attend = library.compile(flex.flex_attention)
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        return lambda: attend(q, k, v, block_mask=block_mask)
+    import attnx
+
+    if case.implementation == "attnx-dense-mask":
+        mask = attnx.masks.sliding_window(n, window=window, backend="numpy")
+        return lambda: attnx.scaled_dot_product_attention(q, k, v, mask=mask)
+    block_mask = attnx.create_block_mask(
+        attnx.mods.sliding_window(window), None, None, n, n, backend=_library(case), device=case.device
+    )
+    return _as_users_run(case, lambda q, k, v: attnx.flex_attention(q, k, v, None, block_mask), q, k, v)
 
 
 def _as_users_run(case: Case, function: Callable[..., Any], *arrays: Any) -> Callable[[], Any]:
@@ -455,10 +518,13 @@ def plan(
     device: str | None = None,
     threads: int | None = None,
     dask_workers: Sequence[int] = (),
+    window: int = 256,
 ) -> list[Case]:
     """Every case of a sweep; ``batch`` and ``head_dim`` may list several
     values.  With ``dask_workers``, the Dask backend runs once on a local
-    cluster of each of those many workers instead of in this process."""
+    cluster of each of those many workers instead of in this process.
+    Baselines that hold the whole scores or mask (:data:`DENSE_BASELINES`)
+    run only where those fit :data:`DENSE_LIMIT_BYTES`."""
     batches = [batch] if isinstance(batch, int) else list(batch)
     head_dims = [head_dim] if isinstance(head_dim, int) else list(head_dim)
     cases = []
@@ -467,10 +533,16 @@ def plan(
             for d in head_dims:
                 for n in sizes:
                     implementations = [f"attnx:{name}" for name in backends]
-                    if operation in ("sdpa", "sdpa_causal"):
-                        implementations += list(baselines)
+                    implementations += [
+                        baseline
+                        for baseline in baselines
+                        if operation in BASELINE_OPERATIONS[baseline]
+                        and (baseline not in DENSE_BASELINES or b * heads * n * n * 4 <= DENSE_LIMIT_BYTES)
+                    ]
                     for implementation in implementations:
-                        case = Case(implementation, operation, b, heads, n, d, dtype, repeat, device, threads)
+                        case = Case(
+                            implementation, operation, b, heads, n, d, dtype, repeat, device, threads, window=window
+                        )
                         if implementation == "attnx:dask" and dask_workers:
                             cases += [replace(case, workers=workers) for workers in dask_workers]
                         else:

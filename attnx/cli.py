@@ -225,6 +225,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device,
         threads=args.threads,
         dask_workers=args.dask_workers or (),
+        window=args.window,
     )
     results = benchmark.sweep(cases)
     benchmark.print_table(results, grid=args.grid)
@@ -376,6 +377,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="W",
         help="run the dask backend on local clusters of W single-threaded worker processes each "
         "(e.g. 1 2), reporting the speed-up; needs dask in --backends and dask.distributed",
+    )
+    bench.add_argument(
+        "--window",
+        type=_positive_int,
+        default=256,
+        help="keys each query attends before its own, for the sliding_window operation (flex_attention)",
     )
     bench.add_argument("--out", default="attnx-bench", help="folder for results.md, results.json and plots")
     bench.set_defaults(run=cmd_bench)

@@ -618,7 +618,10 @@ def _flex_generic(
         width = _tiling.block_bytes(get_memory_budget(), backend.concurrent_blocks) // (
             _tiling.itemsize(xp, dtype) * query_chunk
         )
-        key_chunk = max(kv_block, min(_tiling.KEY_CHUNK, width) // kv_block * kv_block)
+        # Runs no wider than the widest row of blocks visited: the batch
+        # groups are planned on the tiles' real size.
+        widest = max((len(row) for entry in block_mask._plan for head in entry for row in head), default=1)
+        key_chunk = max(kv_block, min(_tiling.KEY_CHUNK, width, widest * kv_block) // kv_block * kv_block)
         entries = (0, batch)
 
         def tiles(span: Any, rows: Any) -> Any:

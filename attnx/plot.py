@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["attention_heatmap"]
+__all__ = ["attention_heatmap", "block_mask"]
 
 
 def attention_heatmap(
@@ -23,10 +23,7 @@ def attention_heatmap(
     Rows are queries, columns keys; ``queries``/``keys`` label them.
     Returns the matplotlib ``Axes``.
     """
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError(f"attention_heatmap needs matplotlib: pip install 'attnx[plot]' ({exc})") from exc
+    plt = _pyplot("attention_heatmap")
 
     from attnx.conversion import to_numpy
 
@@ -47,3 +44,51 @@ def attention_heatmap(
     if colorbar:
         ax.figure.colorbar(image, ax=ax)
     return ax
+
+
+def block_mask(mask: Any, *, batch: int = 0, head: int = 0, ax: Any = None, title: str | None = None) -> Any:
+    """Draw a :class:`attnx.BlockMask`'s blocks for one batch entry and head:
+    empty blocks (skipped) white, partial blocks (masked) light, full
+    blocks dark, each drawn at its place and size in the scores.
+    Returns the matplotlib ``Axes``."""
+    from attnx.conversion import to_numpy
+    from attnx.flex import BlockMask
+
+    plt = _pyplot("block_mask")
+    if not isinstance(mask, BlockMask):
+        raise TypeError(f"block_mask: mask must be an attnx.BlockMask, got {type(mask).__name__}")
+    kinds = to_numpy(mask.kinds)
+    for name, index, size in (("batch", batch, mask.shape[0] or 1), ("head", head, mask.shape[1] or 1)):
+        if not 0 <= index < size:
+            raise ValueError(f"block_mask: {name} must lie in [0, {size}), got {index}")
+    kinds = kinds[min(batch, kinds.shape[0] - 1), min(head, kinds.shape[1] - 1)]  # size 1: the same for all
+    (q_block, kv_block), (n, m) = mask.block_size, mask.shape[2:]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 6 * n / max(m, 1)))
+    from matplotlib.colors import ListedColormap
+
+    colours = ListedColormap(["white", "#9ecae1", "#08519c"])
+    ax.imshow(
+        kinds,
+        cmap=colours,
+        vmin=0,
+        vmax=2,
+        interpolation="nearest",
+        extent=(0, kinds.shape[1] * kv_block, kinds.shape[0] * q_block, 0),
+    )
+    ax.set_xlim(0, m)
+    ax.set_ylim(n, 0)
+    ax.set_xlabel("keys")
+    ax.set_ylabel("queries")
+    sparsity = mask.sparsity
+    said = "" if sparsity is None else f", {sparsity:.0%} of blocks skipped"
+    ax.set_title(title or f"blocks of {q_block} x {kv_block}: empty, partial, full{said}")
+    return ax
+
+
+def _pyplot(function: str) -> Any:
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError(f"{function} needs matplotlib: pip install 'attnx[plot]' ({exc})") from exc
+    return plt

@@ -1,0 +1,70 @@
+"""flex_attention's arguments, create_block_mask's and the block-mask plot
+(the values are proven by the conformance suite and the PyTorch tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnx
+from attnx import mods
+
+Q = np.zeros((1, 4, 8, 2), dtype=np.float32)
+KV = np.zeros((1, 2, 8, 2), dtype=np.float32)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: attnx.flex_attention(Q[0], Q[0], Q[0]), ValueError, r"query must have shape \(B, H, n, d\)"),
+        (lambda: attnx.flex_attention(Q, KV, KV), ValueError, "pass enable_gqa=True"),
+        (
+            lambda: attnx.flex_attention(Q, KV[:, :1].repeat(3, 1), KV[:, :1].repeat(3, 1), enable_gqa=True),
+            ValueError,
+            "multiple of the key/value heads",
+        ),
+        (lambda: attnx.flex_attention(Q, Q, Q[..., :1, :]), ValueError, "value must have shape"),
+        (lambda: attnx.flex_attention(Q, Q, Q, score_mod="alibi"), TypeError, "score_mod must be a callable"),
+        (
+            lambda: attnx.flex_attention(Q, Q, Q, block_mask=np.ones((8, 8), bool)),
+            TypeError,
+            "block_mask must be a BlockMask",
+        ),
+        (lambda: attnx.flex_attention(Q, Q, Q, enable_gqa=1), TypeError, "enable_gqa must be True or False"),
+        (lambda: attnx.create_block_mask(mods.causal, 0, None, 8, 8), ValueError, "B must be a positive integer"),
+        (
+            lambda: attnx.create_block_mask(mods.causal, None, None, 8, 8, block_size=(4, 4, 4)),
+            ValueError,
+            "block_size must be an int or",
+        ),
+        (lambda: attnx.create_block_mask("causal", None, None, 8, 8), TypeError, "mask_mod must be a callable"),
+        (lambda: attnx.and_masks(mods.causal, None), TypeError, "got NoneType at position 1"),
+        (lambda: mods.sliding_window(-1), ValueError, "window must be a non-negative integer"),
+        (lambda: mods.soft_cap(0.0), ValueError, "cap must be a positive finite number"),
+        (lambda: mods.relative_bias(np.zeros(4)), ValueError, "odd length"),
+        (lambda: mods.document(np.zeros(4)), TypeError, "document_ids must have an integer dtype"),
+    ],
+)
+def test_bad_arguments_get_clear_errors(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_the_mods_of_a_block_mask_are_checked_when_it_is_made():
+    with pytest.raises(
+        ValueError, match=r"mask_mod must return an array broadcastable to the tile's shape \(1, 1, 2, 2\)"
+    ):
+        attnx.create_block_mask(lambda b, h, q, kv: np.ones((3, 3), bool), None, None, 8, 8)
+
+
+def test_a_block_mask_is_drawn_block_by_block():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    block_mask = attnx.create_block_mask(mods.sliding_window(3), None, 2, 10, 12, block_size=(4, 3))
+    ax = attnx.plot.block_mask(block_mask, head=1)
+    image = ax.get_images()[0]
+    np.testing.assert_array_equal(image.get_array(), block_mask.kinds[0, 0])
+    assert image.get_extent() == [0, 12, 12, 0]  # blocks at their place in the scores
+    assert "skipped" in ax.get_title()
+    with pytest.raises(ValueError, match=r"head must lie in \[0, 2\), got 2"):
+        attnx.plot.block_mask(block_mask, head=2)
