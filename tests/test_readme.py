@@ -25,3 +25,19 @@ def test_no_extra_asks_for_a_source_only_package():
 
 def test_the_readme_tells_cpu_users_how_to_get_pytorch_s_cpu_wheel():
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in README
+
+
+def test_the_flex_attention_examples_run_as_written(capsys):
+    pytest = __import__("pytest")
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    section = README[README.index("## Programmable attention") : README.index("## Choosing a backend")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2
+    namespace: dict = {}
+    for block in blocks:
+        exec(block, namespace)
+    printed = capsys.readouterr().out.strip()
+    said = re.search(r"# (BlockMask\(.*\))", blocks[0]).group(1)
+    assert printed == said
+    assert namespace["out"].shape == (1, 2, 8192, 64)
