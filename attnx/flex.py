@@ -21,7 +21,7 @@ Examples
 >>> q = k = v = np.ones((1, 2, 6, 4), dtype=np.float32)
 >>> window = attnx.create_block_mask(attnx.mods.sliding_window(2), None, None, 6, 6, block_size=2)
 >>> window.kinds[0, 0].tolist()  # 0: empty (skipped), 1: partial (masked), 2: full
-[[1, 0, 0], [2, 1, 0], [1, 2, 1]]
+[[1, 0, 0], [1, 1, 0], [0, 1, 1]]
 >>> attnx.flex_attention(q, k, v, block_mask=window).shape
 (1, 2, 6, 4)
 """
