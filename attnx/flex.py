@@ -269,14 +269,12 @@ def _block_size(operation: str, block_size: Any) -> tuple[int, int]:
 def _block_kinds(xp: Any, allowed: Any, q_block: int, kv_block: int) -> Any:
     """``(b, h, rows, cols)`` booleans to the kinds of their blocks
     ``(b, h, ceil(rows / q_block), ceil(cols / kv_block))``."""
-    full = _blocks_reduce(xp, allowed, q_block, kv_block, xp.all, True)
+    full_blocks = _blocks_reduce(xp, allowed, q_block, kv_block, xp.all, True)
     some = _blocks_reduce(xp, allowed, q_block, kv_block, xp.any, False)
-    int8 = xp.int8
-    return xp.where(
-        full,
-        xp.asarray(FULL, dtype=int8),
-        xp.where(some, xp.asarray(PARTIAL, dtype=int8), xp.asarray(EMPTY, dtype=int8)),
+    full, partial, empty = (
+        xp.asarray(kind, dtype=xp.int8, device=_checks.device_of(allowed)) for kind in (FULL, PARTIAL, EMPTY)
     )
+    return xp.where(full_blocks, full, xp.where(some, partial, empty))
 
 
 def _blocks_reduce(xp: Any, allowed: Any, q_block: int, kv_block: int, reduce: Any, fill: bool) -> Any:

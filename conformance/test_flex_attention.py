@@ -33,6 +33,11 @@ def _indexable(be):
         pytest.skip(f"{be.name} arrays can't be indexed by an n-d integer array ({type(error).__name__}: {error})")
 
 
+def _block_mask(be, mask_mod, *sizes, **kwargs):
+    """A block mask on the device under test, where the mod's tables live."""
+    return attnx.create_block_mask(mask_mod, *sizes, device=be.device, **kwargs)
+
+
 def _document_ids():
     gen = rng(90)
     return np.sort(gen.integers(0, 4, size=(B, max(N, M))), axis=1)
@@ -121,7 +126,7 @@ def test_flex_attention_matches_the_definition(attnx_backend, case):
     dtype = be.dtype("float64")
     (query, key, value), exact = _inputs(be, dtype)
     score_mod, mask_mod = build(be)
-    block_mask = None if mask_mod is None else attnx.create_block_mask(mask_mod, B, H, N, M, block_size=BLOCK)
+    block_mask = None if mask_mod is None else _block_mask(be, mask_mod, B, H, N, M, block_size=BLOCK)
     grids = np.meshgrid(np.arange(B), np.arange(H), np.arange(N), np.arange(M), indexing="ij")
     expected, expected_weights = reference.flex_attention(
         *exact, score=score, allowed=None if allowed is None else allowed(*grids)
@@ -140,7 +145,7 @@ def test_float32_sliding_window_with_many_tiles(attnx_backend):
     """float32, blocks of 4 queries and 3 keys: many tiles, merged runs."""
     be = attnx_backend
     (query, key, value), exact = _inputs(be, "float32")
-    block_mask = attnx.create_block_mask(mods.sliding_window(7), None, None, N, M, block_size=(4, 3))
+    block_mask = _block_mask(be, mods.sliding_window(7), None, None, N, M, block_size=(4, 3))
     grids = np.meshgrid(np.arange(B), np.arange(H), np.arange(N), np.arange(M), indexing="ij")
     expected, _ = reference.flex_attention(*exact, allowed=(grids[3] <= grids[2]) & (grids[2] - grids[3] <= 7))
     assert_close(attnx.flex_attention(query, key, value, None, block_mask, enable_gqa=True), expected, be, "float32")
@@ -154,7 +159,7 @@ def test_block_mask_records_empty_partial_and_full_blocks(attnx_backend):
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx < limits[b] + 2 * h) & (kv_idx <= q_idx + 3)
 
-    block_mask = attnx.create_block_mask(mask_mod, B, H, N, M, block_size=BLOCK)
+    block_mask = _block_mask(be, mask_mod, B, H, N, M, block_size=BLOCK)
     b, h, i, j = np.meshgrid(np.arange(B), np.arange(H), np.arange(N), np.arange(M), indexing="ij")
     dense = (j < np.array([5, 30])[b] + 2 * h) & (j <= i + 3)
     expected = np.zeros((B, H, 3, 5), dtype=int)
@@ -194,15 +199,13 @@ BAD_MODS = {
         TypeError,
         "mask_mod must return a boolean array",
         lambda be: dict(
-            block_mask=attnx.create_block_mask(
-                lambda b, h, q, kv: be.xp.astype(kv <= q, be.xp.float32), None, None, N, M
-            )
+            block_mask=_block_mask(be, lambda b, h, q, kv: be.xp.astype(kv <= q, be.xp.float32), None, None, N, M)
         ),
     ),
     "block mask for other sizes": (
         ValueError,
         rf"created for \(B, H, Q_LEN, KV_LEN\) = \(None, None, {N - 1}, {M}\).*\(B, H, n, m\) = \({B}, {H}, {N}, {M}\)",
-        lambda be: dict(block_mask=attnx.create_block_mask(mods.causal, None, None, N - 1, M)),
+        lambda be: dict(block_mask=_block_mask(be, mods.causal, None, None, N - 1, M)),
     ),
 }
 
@@ -222,7 +225,7 @@ def test_gradients_reach_the_inputs_and_what_a_mod_closes_over(attnx_backend):
 
     be = attnx_backend
     _indexable(be)
-    block_mask = attnx.create_block_mask(mods.sliding_window(1), None, None, 3, 4, block_size=2)
+    block_mask = _block_mask(be, mods.sliding_window(1), None, None, 3, 4, block_size=2)
 
     def attention(q, k, v, slopes):
         return attnx.flex_attention(q, k, v, mods.alibi(slopes), block_mask, enable_gqa=True)
