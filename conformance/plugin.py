@@ -37,7 +37,6 @@ DEVICE_ENV = "ATTNX_TEST_DEVICE"
 
 _HYPOTHESIS_HOME = pytest.StashKey[str]()
 #: node id -> backend under test; tests that ran (not skipped), per backend.
-_BACKEND_OF: dict[str, str] = {}
 _RAN_COUNTS: dict[str, int] = defaultdict(int)
 
 
@@ -258,7 +257,7 @@ _SKIP_REASONS: dict[str, set[str]] = defaultdict(set)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    backend = _BACKEND_OF.get(report.nodeid)
+    backend = _keyword_value(report, "attnx_backend:")
     if backend is not None and report.when == "call" and not report.skipped:
         _RAN_COUNTS[backend] += 1
     operation = _operation_of(report)
@@ -272,9 +271,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def _operation_of(report: pytest.TestReport) -> str | None:
+    return _keyword_value(report, "attnx_op:")
+
+
+def _keyword_value(report: pytest.TestReport, prefix: str) -> str | None:
     for key in report.keywords:
-        if key.startswith("attnx_op:"):
-            return key.partition(":")[2]
+        if key.startswith(prefix):
+            return key[len(prefix) :]
     return None
 
 
@@ -298,7 +301,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is not None and "attnx_backend" in callspec.params:
-            _BACKEND_OF[item.nodeid] = callspec.params["attnx_backend"]
+            # A keyword travels with the test's reports, so the count works
+            # where another process collected and ran it (pytest-xdist).
+            item.keywords[f"attnx_backend:{callspec.params['attnx_backend']}"] = True
         marker = item.get_closest_marker("attnx_operation")
         if marker is not None:
             item.keywords[f"attnx_op:{marker.args[0]}"] = True
