@@ -71,6 +71,10 @@ def from_scores(scores: Any, value: Any, *, allowed: Any = None, additive: Any =
     array, shape (..., n, d_v + 2)
     """
     xp = xp or array_namespace(scores, value)
+    if 0 in tuple(scores.shape):  # no query or no key: a maximum of nothing is undefined (Dask won't take one)
+        leading, device = tuple(scores.shape[:-1]), _checks.device_of(scores)
+        nothing = xp.zeros((*leading, value.shape[-1] + 1), dtype=scores.dtype, device=device)
+        return xp.concat([nothing, xp.full((*leading, 1), -float("inf"), dtype=scores.dtype, device=device)], axis=-1)
     exp_scores, row_max = _masking.unnormalised_softmax(xp, scores, allowed, additive)
     total = xp.sum(exp_scores, axis=-1, keepdims=True)
     return pack(xp, exp_scores @ value, total, row_max)

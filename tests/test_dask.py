@@ -138,3 +138,14 @@ def test_kernel_regression_over_many_chunks_of_training_data():
     estimate = attnx.nadaraya_watson(da.from_array(queries, chunks=8), train_x, train_y, bandwidth=0.05)
     assert _tasks(estimate) < 120  # per chunk of data, not per point
     np.testing.assert_allclose(estimate.compute(), np.sin(queries), atol=0.05)
+
+
+@pytest.mark.parametrize(("queries", "keys"), [(0, 1), (3, 0), (0, 0)])
+def test_kernel_regression_with_no_query_or_no_key(queries, keys):
+    """Found by the conformance suite's hypothesis run: the generic path
+    asked Dask for a maximum over an empty query axis."""
+    import dask.array as da
+
+    q, k = np.linspace(0, 1, queries), np.linspace(0, 1, keys)
+    lazy = attnx.nadaraya_watson(da.from_array(q, chunks=2), da.from_array(k, chunks=2), da.from_array(k, chunks=2))
+    np.testing.assert_array_equal(lazy.compute(), attnx.nadaraya_watson(q, k, k))
