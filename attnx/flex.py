@@ -88,6 +88,8 @@ class BlockMask:
         # read once from concrete kinds; None where they were traced or lazy
         # (then every block is computed, with its mask).
         self._plan = plan
+        #: The most key blocks any row of blocks visits, read once from the plan.
+        self._widest = max((len(row) for entry in plan for head in entry for row in head), default=1) if plan else 1
 
     @property
     def sparsity(self) -> float | None:
@@ -618,8 +620,7 @@ def _flex_generic(
         )
         # Runs no wider than the widest row of blocks visited: the batch
         # groups are planned on the tiles' real size.
-        widest = max((len(row) for entry in block_mask._plan for head in entry for row in head), default=1)
-        key_chunk = max(kv_block, min(_tiling.KEY_CHUNK, width, widest * kv_block) // kv_block * kv_block)
+        key_chunk = max(kv_block, min(_tiling.KEY_CHUNK, width, block_mask._widest * kv_block) // kv_block * kv_block)
         entries = (0, batch)
 
         def tiles(span: Any, rows: Any) -> Any:
