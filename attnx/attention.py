@@ -447,14 +447,21 @@ def sdpa_chunked(
             return _tiling.causal_tiles(m, rows, m - n, key_chunk)
         return _tiling.split(0, m, key_chunk, False)
 
+    groups: dict[Any, tuple[Any, Any, tuple[int, ...]]] = {}  # per span: its mask, lengths and leading shape
+
+    def group_masks(span: Any) -> tuple[Any, Any, tuple[int, ...]]:
+        if span is None:
+            return mask, key_lengths, batch_shape
+        if span not in groups:  # sliced once per group, not once per tile
+            groups[span] = (
+                None if mask is None else _masking.batch_block(mask, len(batch_shape), 2, span),
+                None if key_lengths is None else _masking.lengths_batch_block(key_lengths, batch_shape, n, span),
+                (span[1] - span[0], *batch_shape[1:]),
+            )
+        return groups[span]
+
     def tile_scores(scores: Any, span: Any, rows: Any, cols: Any, masked: bool) -> tuple[Any, Any, Any]:
-        group_mask, lengths, group_shape = mask, key_lengths, batch_shape
-        if span is not None:
-            group_shape = (span[1] - span[0], *batch_shape[1:])
-            if mask is not None:
-                group_mask = _masking.batch_block(mask, len(batch_shape), 2, span)
-            if key_lengths is not None:
-                lengths = _masking.lengths_batch_block(key_lengths, batch_shape, n, span)
+        group_mask, lengths, group_shape = group_masks(span)
         allowed, additive = _masking.combine(
             xp,
             mask=group_mask,
