@@ -233,3 +233,23 @@ def test_gradients_reach_the_inputs_and_what_a_mod_closes_over(attnx_backend):
     gen = rng(93)
     arrays = [gen.standard_normal(shape) for shape in ((1, 2, 3, 2), (1, 1, 4, 2), (1, 1, 4, 2), (2,))]
     check_gradients(be, attention, arrays)
+
+
+def _paper_slopes(heads):
+    """ALiBi's slopes as the paper's code computes them (ofirpress/attention_with_linear_biases)."""
+
+    def power_of_two(count):
+        start = 2 ** (-(2 ** -(np.log2(count) - 3)))
+        return [start * start**i for i in range(count)]
+
+    if np.log2(heads).is_integer():
+        return power_of_two(heads)
+    closest = 2 ** int(np.floor(np.log2(heads)))
+    return power_of_two(closest) + power_of_two(2 * closest)[0::2][: heads - closest]
+
+
+@pytest.mark.parametrize("heads", [1, 6, 8, 12])
+def test_alibi_slopes_follow_the_paper(attnx_backend, heads):
+    be = attnx_backend
+    slopes = mods.alibi_slopes(heads, dtype=be.dtype("float64"), backend=be.name, device=be.device)
+    assert_close(slopes, np.array(_paper_slopes(heads)), be, be.dtype("float64"))
