@@ -10,6 +10,15 @@ threads that each hold BLAS to one core.
 The work is cut into tasks of ``slices`` (batch, head) pairs by ``rows``
 queries; each task walks the keys in blocks of ``key_chunk`` with the online
 softmax (a running maximum and sum), so its scores never exceed one block.
+
+Where the inputs allow it, a task skips the running maximum altogether
+(:func:`_attend_bounded`): by Cauchy-Schwarz every score of row ``i`` lies
+within ``±b_i = scale * |q_i| * max_j |k_j|``, so ``exp(s - b_i)`` can neither
+overflow nor, while ``2 b_i`` stays within :data:`SHIFT_LIMIT`, underflow.
+Softmax does not change when a row is shifted by any constant, so the
+result is the same function; the shift rides in the first matrix product
+(one more column: ``[q * scale, -b] @ [k, 1]^T``) and the maximum, its
+subtraction and every rescaling of the running sums disappear.
 """
 
 from __future__ import annotations
@@ -34,6 +43,12 @@ MAX_ROWS = 256
 PARALLEL_SCORES = 2**16
 #: Scores from which each thread gets two tasks or more.
 BALANCED_SCORES = 2**20
+#: The largest bound ``b_i`` (see the module's docstring) for which a task
+#: shifts its rows by ``b_i`` instead of their maximum: ``exp(-2 b_i)`` stays a
+#: normal number (float32 from e^-87, float64 from e^-708), with room for the
+#: rounding of the shifted scores, whose error grows with ``b_i`` (at the
+#: limit, twice that of the maximum's shift).
+SHIFT_LIMIT = {"f": 32.0, "d": 256.0}
 
 
 def plan(
@@ -115,11 +130,16 @@ def scaled_dot_product_attention(
         (rows, key_chunk), per_task = chunks, 1
     key_t = k.transpose(0, 2, 1)  # a view: BLAS reads it transposed
     size = per_task * rows * key_chunk
+    bound = score_bound(q, k, scale)
+    limit = SHIFT_LIMIT[dtype.char]
 
     def attend(task: tuple[int, int]) -> None:
         s0, r0 = task
         s1, r1 = min(slices, s0 + per_task), min(n, r0 + rows)
-        _attend_block(
+        shift = bound[s0:s1, r0:r1, None]
+        # ``<=`` is False for NaN: inputs with NaN or inf take the maximum's path.
+        attend_block = _attend_bounded if shift.max() <= limit else _attend_block
+        attend_block(
             q[s0:s1, r0:r1],
             key_t[s0:s1],
             v[s0:s1],
@@ -130,6 +150,7 @@ def scaled_dot_product_attention(
             n,
             key_chunk,
             _scratch(size, dtype),
+            shift,
         )
 
     # Causal tasks near the end of the sequence cost the most: start them
@@ -172,6 +193,63 @@ def _attend_small(query: Any, key: Any, value: Any, scale: Any, is_causal: bool)
     return output
 
 
+def score_bound(query: Any, key: Any, scale: Any) -> Any:
+    """``(slices, n)``: ``|scale| * |q_i| * max_j |k_j|``, which no score of
+    row ``i`` exceeds in magnitude (Cauchy-Schwarz); inf or NaN where the
+    inputs hold them."""
+    query_norms = np.sqrt(np.vecdot(query, query))
+    key_norms = np.sqrt(np.vecdot(key, key).max(axis=-1, keepdims=True))
+    return query_norms * key_norms * abs(scale)
+
+
+def _scores(query: Any, key_t: Any, buffer: Any, is_causal: bool, r0: int, n: int, c0: int, c1: int) -> Any:
+    """The scores of ``query`` against the keys ``c0:c1``, in ``buffer``, with
+    the future at ``-inf`` where the causal mask's diagonal crosses them."""
+    slices, rows, m = query.shape[0], query.shape[1], key_t.shape[-1]
+    scores = np.matmul(query, key_t[..., c0:c1], out=buffer[: slices * rows * (c1 - c0)].reshape(slices, rows, c1 - c0))
+    past = r0 + m - n + 1  # keys before it are in every row's past: no mask needed
+    if is_causal and c1 > past:  # mask the band around the diagonal only
+        b0 = max(c0, past)
+        allowed = _masking.causal(xp, n, m, rows=(r0, r0 + rows), cols=(b0, c1))
+        np.copyto(scores[..., b0 - c0 :], -np.inf, where=~allowed)
+    return scores
+
+
+def _attend_bounded(
+    query: Any,
+    key_t: Any,
+    value: Any,
+    output: Any,
+    scale: Any,
+    is_causal: bool,
+    r0: int,
+    n: int,
+    key_chunk: int,
+    buffer: Any,
+    shift: Any,
+) -> None:
+    """:func:`_attend_block` with every row shifted by its bound ``shift``
+    (``(slices, rows, 1)``, at most :data:`SHIFT_LIMIT`) instead of its running
+    maximum: one pass over the scores instead of four, and no rescaling."""
+    rows, m = query.shape[1], key_t.shape[-1]
+    query = query * scale
+    stop = min(m, r0 + rows + m - n) if is_causal else m
+    total = None
+    for c0 in range(0, stop, key_chunk):
+        c1 = min(stop, c0 + key_chunk)
+        scores = _scores(query, key_t, buffer, is_causal, r0, n, c0, c1)
+        scores -= shift
+        np.exp(scores, out=scores)
+        if total is None:
+            total = scores.sum(axis=-1, keepdims=True)
+            np.matmul(scores, value[:, c0:c1], out=output)
+        else:
+            total += scores.sum(axis=-1, keepdims=True)
+            output += scores @ value[:, c0:c1]
+    # Every row holds key 0 with a weight of at least exp(-2 * shift): no zero.
+    output /= total
+
+
 def _attend_block(
     query: Any,
     key_t: Any,
@@ -183,25 +261,20 @@ def _attend_block(
     n: int,
     key_chunk: int,
     buffer: Any,
+    shift: Any = None,
 ) -> None:
     """Attention of the queries ``r0:r0 + rows`` (``query``: ``(slices, rows,
     d_k)``) to every key they may see, written into ``output``; ``buffer``
-    (flat, at least ``slices * rows * key_chunk``) holds the scores."""
-    slices, rows, m = query.shape[0], query.shape[1], key_t.shape[-1]
+    (flat, at least ``slices * rows * key_chunk``) holds the scores.  The
+    online softmax with each row's running maximum; ``shift`` is unused."""
+    rows, m = query.shape[1], key_t.shape[-1]
     query = query * scale  # (slices, rows, d_k): small, unlike the scores
     # With a causal mask, keys past r1 + (m - n) are in every row's future.
     stop = min(m, r0 + rows + m - n) if is_causal else m
-    past = r0 + m - n + 1  # keys before it are in every row's past: no mask needed
     row_max = total = None
     for c0 in range(0, stop, key_chunk):
         c1 = min(stop, c0 + key_chunk)
-        scores = np.matmul(
-            query, key_t[..., c0:c1], out=buffer[: slices * rows * (c1 - c0)].reshape(slices, rows, c1 - c0)
-        )
-        if is_causal and c1 > past:  # mask the band around the diagonal only
-            b0 = max(c0, past)
-            allowed = _masking.causal(xp, n, m, rows=(r0, r0 + rows), cols=(b0, c1))
-            np.copyto(scores[..., b0 - c0 :], -np.inf, where=~allowed)
+        scores = _scores(query, key_t, buffer, is_causal, r0, n, c0, c1)
         block_max = scores.max(axis=-1, keepdims=True)
         if row_max is None:
             # The first block holds key 0, which every row may attend: its

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -18,10 +19,31 @@ def test_map_blocks_keeps_order_and_uses_threads():
 
     def work(item):
         names.add(threading.current_thread().name)
+        time.sleep(0.002)  # long enough that no thread takes every block alone
         return item * item
 
     assert backend.map_blocks(work, range(10)) == [i * i for i in range(10)]
+    # The calling thread takes blocks too: it would otherwise wait idle.
     assert any(name.startswith("attnx-numpy") for name in names)
+    assert threading.main_thread().name in names
+
+
+def test_map_blocks_raises_the_blocks_error_and_gives_blas_its_threads_back():
+    from threadpoolctl import threadpool_info
+
+    backend = NumPyBackend()
+    backend.concurrent_blocks = 2
+    before = [library["num_threads"] for library in threadpool_info() if library["user_api"] == "blas"]
+
+    def work(item):
+        if item == 5:
+            raise KeyError(item)
+        return item
+
+    with pytest.raises(KeyError, match="5"):
+        backend.map_blocks(work, range(10))
+    assert [library["num_threads"] for library in threadpool_info() if library["user_api"] == "blas"] == before
+    assert backend.map_blocks(work, range(3)) == [0, 1, 2]  # the pool still works
 
 
 def test_map_blocks_inside_a_worker_runs_inline():
@@ -62,7 +84,10 @@ def test_threaded_chunks_equal_sequential_chunks(monkeypatch, n, kwargs):
 
     monkeypatch.setattr(backend, "map_blocks", recording)
     threaded = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
-    assert workers and all(name.startswith("attnx-numpy") for name in workers), workers
+    # Which threads took the blocks is the pool's business (the calling
+    # thread takes some, and may take all of a short call): that they went
+    # through map_blocks, the test above shows that it uses threads.
+    assert workers, "no block ran through map_blocks"
     lengths = kwargs.get("key_lengths")
     plain = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, key_lengths=lengths, return_weights=True)[0]
     np.testing.assert_allclose(threaded, plain, rtol=1e-12, atol=1e-14)
@@ -75,3 +100,51 @@ def test_read_only_arrays_are_never_updated_in_place():
 
     assert can_mutate(np.ones((2, 3)))
     assert not can_mutate(np.broadcast_to(np.ones(3), (2, 3)))
+
+
+def _reference(q, k, v, is_causal):
+    """float64 softmax attention, straight from the formula."""
+    scores = q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2) / np.sqrt(q.shape[-1])
+    if is_causal:
+        scores = np.where(np.tril(np.ones(scores.shape[-2:], dtype=bool)), scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return (weights / weights.sum(axis=-1, keepdims=True)) @ v.astype(np.float64)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_native_shifts_rows_by_their_bound_only_where_nothing_underflows(monkeypatch, dtype, is_causal):
+    """The native shifts a task's rows by a bound on their scores instead of
+    their maximum (``SHIFT_LIMIT``).  Batch entry 0 has ordinary inputs
+    (shifted by the bound); entry 1 has queries and keys so long (norm 40 in
+    float32, 100 in float64) that their scores stay far below the bound:
+    shifted by it, every exponential would underflow to 0 and the rows would
+    be NaN.  Both are right, and each took its own path."""
+    from attnx_backends import numpy_attention
+
+    rng = np.random.default_rng(1)
+    n, d = 256, 64
+    q, k, v = (rng.standard_normal((2, 2, n, d)).astype(dtype) for _ in range(3))
+    length = {"float32": 40, "float64": 100}[dtype]
+    q[1] *= length / np.linalg.norm(q[1], axis=-1, keepdims=True)
+    k[1] *= length / np.linalg.norm(k[1], axis=-1, keepdims=True)
+    paths = []
+    for name in ("_attend_bounded", "_attend_block"):
+        original = getattr(numpy_attention, name)
+
+        def recording(query, *args, original=original, name=name):
+            paths.append((name, float(np.linalg.norm(query, axis=-1).max())))
+            return original(query, *args)
+
+        monkeypatch.setattr(numpy_attention, name, recording)
+    got = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, chunk_size=(64, 128))
+    expected = _reference(q, k, v, is_causal)
+    np.testing.assert_allclose(got[0], expected[0], **TOLERANCE[dtype])
+    # Scores in the hundreds carry float32's rounding into the weights (the
+    # reference reads the same rounded inputs, but rounds no score).
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-3, atol=1e-4)
+    assert {name for name, norm in paths if norm < 20} == {"_attend_bounded"}, paths
+    assert {name for name, norm in paths if norm > 20} == {"_attend_block"}, paths
+
+
+TOLERANCE = {"float32": {"rtol": 2e-5, "atol": 2e-6}, "float64": {"rtol": 1e-10, "atol": 1e-12}}
