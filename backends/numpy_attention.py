@@ -14,11 +14,10 @@ softmax (a running maximum and sum), so its scores never exceed one block.
 Where the inputs allow it, a task skips the running maximum altogether
 (:func:`_attend_bounded`): by Cauchy-Schwarz every score of row ``i`` lies
 within ``±b_i = scale * |q_i| * max_j |k_j|``, so ``exp(s - b_i)`` can neither
-overflow nor, while ``2 b_i`` stays within :data:`SHIFT_LIMIT`, underflow.
+overflow nor, while ``b_i`` stays within :data:`SHIFT_LIMIT`, underflow.
 Softmax does not change when a row is shifted by any constant, so the
-result is the same function; the shift rides in the first matrix product
-(one more column: ``[q * scale, -b] @ [k, 1]^T``) and the maximum, its
-subtraction and every rescaling of the running sums disappear.
+result is the same function; the pass that finds each row's maximum and
+every rescaling of the running sums disappear.
 """
 
 from __future__ import annotations
@@ -230,7 +229,8 @@ def _attend_bounded(
 ) -> None:
     """:func:`_attend_block` with every row shifted by its bound ``shift``
     (``(slices, rows, 1)``, at most :data:`SHIFT_LIMIT`) instead of its running
-    maximum: one pass over the scores instead of four, and no rescaling."""
+    maximum: no pass for the maximum, and no rescaling of the sums and
+    outputs from one key block to the next."""
     rows, m = query.shape[1], key_t.shape[-1]
     query = query * scale
     stop = min(m, r0 + rows + m - n) if is_causal else m
