@@ -196,8 +196,9 @@ def score_bound(query: Any, key: Any, scale: Any) -> Any:
     """``(slices, n)``: ``|scale| * |q_i| * max_j |k_j|``, which no score of
     row ``i`` exceeds in magnitude (Cauchy-Schwarz); inf or NaN where the
     inputs hold them."""
-    query_norms = np.sqrt(np.vecdot(query, query))
-    key_norms = np.sqrt(np.vecdot(key, key).max(axis=-1, keepdims=True))
+    # einsum, not vecdot: NumPy 1.26 is supported and has no vecdot.
+    query_norms = np.sqrt(np.einsum("...d,...d->...", query, query))
+    key_norms = np.sqrt(np.einsum("...d,...d->...", key, key).max(axis=-1, keepdims=True))
     return query_norms * key_norms * abs(scale)
 
 
