@@ -27,8 +27,20 @@ def device_of(array: Any) -> Any:
 def namespace_of(array: Any) -> Any:
     """The array API namespace of ``array``: its backend's (one dict lookup,
     which torch.compile traces without warnings), else array-api-compat's."""
-    owner = registry.owner_of(array)
-    return owner.xp if owner is not None else array_api_compat.array_namespace(array)
+    owner = registry._type_owners.get(type(array))
+    if owner is not None:
+        return owner.xp
+    # A type not met yet: array-api-compat's namespace (every built-in
+    # backend's is the same) leaves the registry's cache alone, since a mod
+    # may run inside PyTorch's FlexAttention, whose traces change nothing
+    # outside themselves.  Types array-api-compat doesn't know ask the registry.
+    try:
+        return array_api_compat.array_namespace(array)
+    except TypeError:
+        owner = registry.owner_of(array)
+        if owner is None:
+            raise
+        return owner.xp
 
 
 def shape_of(array: Any) -> tuple[int, ...]:

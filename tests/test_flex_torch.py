@@ -3,6 +3,8 @@ a dense float64 formula (PyTorch's own flex has no backward on the CPU)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -137,3 +139,24 @@ def test_the_cuda_route_through_pytorch_flex_equals_the_generic_algorithm():
         )
     generic = attnx.flex_attention(query, key, value, score_mod, block_mask, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(routed, generic, **FLOAT32)
+
+
+def test_mods_run_in_pytorch_flex_before_attnx_met_a_tensor():
+    """A fresh process whose first tensors reach attnx inside PyTorch's
+    FlexAttention: the mods' namespace lookup may change nothing there
+    (dynamo refuses side effects in a mod), so it leaves the registry alone."""
+    script = """
+import warnings
+import torch
+from torch.nn.attention import flex_attention as flex
+from attnx import mods
+
+warnings.simplefilter("ignore", UserWarning)
+q, k, v = (torch.randn(1, 4, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+for score_mod in (mods.alibi(mods.alibi_slopes(4, backend="torch")), mods.soft_cap(2.0)):
+    flex.flex_attention(q, k, v, score_mod=score_mod)
+print("ran")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ran"
