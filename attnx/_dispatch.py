@@ -130,15 +130,15 @@ def call(
     if native is not None:
         result = native(**arguments)
         if result is not NotImplemented:
-            _log_choice(operation, backend.name, reason, "native")
+            log_choice(operation, backend.name, reason, "native")
             return result
-    _log_choice(operation, backend.name, reason, "generic, native declined" if native is not None else "generic")
+    log_choice(operation, backend.name, reason, "generic, native declined" if native is not None else "generic")
     if generic_options:
         return generic(backend.xp, **arguments, **generic_options)
     return generic(backend.xp, **arguments)
 
 
 @run_at_trace_time  # logging can't be traced: torch.compile logs the choice once, while compiling
-def _log_choice(operation: str, backend_name: str, reason: str, path: str) -> None:
+def log_choice(operation: str, backend_name: str, reason: str, path: str) -> None:
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("%s: backend %r (%s), %s", operation, backend_name, reason, path)

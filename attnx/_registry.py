@@ -76,6 +76,11 @@ class Registry:
         #: Array types whose owner has several devices: only their inputs are
         #: compared device by device (the comparison costs a microsecond a call).
         self._multi_device_types: set[type] = set()
+        #: Plans by call signature (:mod:`attnx._plans`): they depend on who
+        #: owns which type, so they go whenever a backend comes or goes.
+        self._plans: dict[tuple[Any, ...], tuple[Any, str, str]] = {}
+        #: Array types whose one owner makes plans (:meth:`Backend.specialize`).
+        self._planning_types: set[type] = set()
         self._loaded = False
         self._lock = threading.RLock()
 
@@ -132,6 +137,8 @@ class Registry:
         self._type_owners.clear()
         self._shared_types.clear()
         self._multi_device_types.clear()
+        self._plans.clear()
+        self._planning_types.clear()
 
     def _add_backend(self, entry: _Entry) -> None:
         name = entry.backend.name
@@ -176,6 +183,8 @@ class Registry:
             self._type_owners.clear()
             self._shared_types.clear()
             self._multi_device_types.clear()
+        self._plans.clear()
+        self._planning_types.clear()
 
     def names(self) -> list[str]:
         self._ensure_loaded()
@@ -208,6 +217,8 @@ class Registry:
                 owner = self._type_owners[kind] = owners[0]
                 if len(owners) > 1:
                     self._shared_types.add(kind)
+                elif type(owner).specialize is not Backend.specialize:
+                    self._planning_types.add(kind)
                 if _device_count(owner) > 1:
                     self._multi_device_types.add(kind)
         return owner

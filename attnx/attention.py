@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from attnx import _checks, _dispatch, _masking, _tiling
+from attnx import _checks, _dispatch, _masking, _plans, _tiling
 from attnx._config import get_memory_budget
 from attnx._tiling import KEY_CHUNK, MIN_ROWS
 
@@ -90,8 +90,25 @@ def scaled_dot_product_attention(
     slice the generic algorithm would use: ``chunk_size`` when given),
     ``batch_shape`` (the broadcast leading shape) and ``chunk_size`` (the
     user's, None unless given: a native that honours it cuts its blocks so),
-    after validation.
+    after validation.  A call without ``mask``, ``key_lengths`` or
+    ``chunk_size`` and with a float or default ``scale`` may be served by
+    its backend's plan for the call's signature
+    (:meth:`attnx.Backend.specialize`): checked once, then reused.
     """
+    signature = None
+    if (
+        type(query) in _plans.planning_types
+        and mask is None
+        and key_lengths is None
+        and chunk_size is None
+        and (scale is None or type(scale) is float)
+        and type(is_causal) is bool
+        and type(return_weights) is bool
+        and (backend is None or type(backend) is str)
+    ):
+        plan, signature = _plans.lookup(_SDPA, (query, key, value), (is_causal, scale, return_weights, backend))
+        if plan is not None:  # this signature was validated before: see attnx._plans
+            return plan(query, key, value)
     chosen, reason = _dispatch.resolve(
         _SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths, _checks.scale_array(scale)), 3
     )
@@ -105,24 +122,29 @@ def scaled_dot_product_attention(
     chunks = choose_chunks(
         xp, query.dtype, n, m, batch_shape, chunk_size, return_weights, is_causal, chosen.concurrent_blocks
     )
+    arguments = {
+        "query": query,
+        "key": key,
+        "value": value,
+        "mask": mask,
+        "key_lengths": key_lengths,
+        "is_causal": is_causal,
+        "scale": scale,
+        "return_weights": return_weights,
+        "chunks": chunks,
+        "batch_shape": batch_shape,
+        "chunk_size": chunk_size,
+    }
+    if signature is not None:
+        plan = _plans.make(_SDPA, signature, chosen, reason, arguments)
+        if plan is not None:
+            return plan(query, key, value)
     return _dispatch.call(
         _SDPA,
         chosen,
         reason,
         sdpa_generic,
-        {
-            "query": query,
-            "key": key,
-            "value": value,
-            "mask": mask,
-            "key_lengths": key_lengths,
-            "is_causal": is_causal,
-            "scale": scale,
-            "return_weights": return_weights,
-            "chunks": chunks,
-            "batch_shape": batch_shape,
-            "chunk_size": chunk_size,
-        },
+        arguments,
         {"map_blocks": chosen.map_blocks, "concurrent_blocks": chosen.concurrent_blocks}
         if chunks is not None
         else None,

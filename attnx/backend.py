@@ -195,5 +195,24 @@ class Backend:
         """
         return {}
 
+    def specialize(self, operation: str, arguments: Mapping[str, Any]) -> Callable[..., Any] | None:
+        """A plan: this backend's computation of one call, for attnx to reuse.
+
+        attnx asks after validating a call whose signature allows a plan
+        (``scaled_dot_product_attention`` without ``mask`` or
+        ``key_lengths``, with a float or default ``scale``), with the
+        keyword arguments its native implementation would get.  The plan is
+        a function of the call's arrays alone, positionally (``query, key,
+        value``).  attnx calls it for this call and for every later call
+        whose arrays have the same types, shapes, dtypes and devices and
+        whose other arguments are equal, without validating again: it must
+        compute what the native would for any such arrays, and read no
+        state of attnx (the memory budget), since it is not asked again
+        when that changes.  None (the default) declines: such calls are
+        validated and dispatched each time.  Worth it only where the checks
+        cost as much as the work (small inputs on a fused kernel).
+        """
+        return None
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

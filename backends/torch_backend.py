@@ -105,6 +105,11 @@ class TorchBackend(Backend):
             }
         return self._natives
 
+    def specialize(self, operation: str, arguments: Mapping[str, Any]) -> Callable[..., Any] | None:
+        if operation == "scaled_dot_product_attention":
+            return _sdpa_plan(**arguments)
+        return None
+
 
 def _scaled_dot_product_attention(
     *,
@@ -123,19 +128,12 @@ def _scaled_dot_product_attention(
     # PyTorch's fused kernels are memory-efficient themselves: ``chunks`` is moot.
     if return_weights:
         return NotImplemented  # PyTorch's kernels don't return the weights
-    fused = _fused_attention or _load()
-    q_shape, k_shape, v_shape = query.shape, key.shape, value.shape  # torch.Size: tuples already
-    n, m = q_shape[-2], k_shape[-2]
-    leading = q_shape[:-2]
-    same_leading = leading == k_shape[:-2] == v_shape[:-2]
-    if not same_leading:
-        leading = batch_shape or _checks.broadcast("", {"q": leading, "k": k_shape[:-2], "v": v_shape[:-2]})
-    if n == 0 or m == 0 or 0 in leading:
+    leading = _leading_shape(query, key, value, batch_shape)
+    if leading is None:
         return NotImplemented  # nothing to attend: the generic algorithm's zeros
+    n, m = query.shape[-2], key.shape[-2]
     if not isinstance(scale, float):  # a tensor (traced, or with a gradient): fold it into the queries
         query, scale = query * scale, 1.0
-    elif q_shape[-1] and scale == 1.0 / math.sqrt(q_shape[-1]):
-        scale = None  # PyTorch's own default, computed alike: the keyword costs a microsecond per call
     if mask is None and key_lengths is None and (not is_causal or n == m):
         attn_mask = None  # lets PyTorch pick its fused kernels
     else:
@@ -154,22 +152,69 @@ def _scaled_dot_product_attention(
         )
         attn_mask = allowed if additive is None else _masking.as_additive(xp, allowed, additive, query.dtype)
         is_causal = False
-    if same_leading and 1 <= len(leading) <= 2:
+    return _kernel(query.shape, key.shape, value.shape, leading, is_causal, scale)(query, key, value, attn_mask)
+
+
+def _sdpa_plan(
+    *, query: Any, key: Any, value: Any, mask: Any, key_lengths: Any, is_causal: bool, scale: Any, **options: Any
+) -> Callable[..., Any] | None:
+    """The native above as a function of ``(query, key, value)`` for every
+    call of these shapes, where it needs no per-call mask; else None."""
+    if mask is not None or key_lengths is not None or options["return_weights"] or not isinstance(scale, float):
+        return None
+    leading = _leading_shape(query, key, value, options["batch_shape"])
+    if leading is None or (is_causal and query.shape[-2] != key.shape[-2]):
+        return None
+    return _kernel(query.shape, key.shape, value.shape, leading, is_causal, scale)
+
+
+def _leading_shape(query: Any, key: Any, value: Any, batch_shape: Any) -> Any:
+    """The inputs' broadcast leading shape; None where there is nothing to
+    attend (no query, key or slice)."""
+    q_shape, k_shape = query.shape, key.shape  # torch.Size: tuples already
+    leading = q_shape[:-2]
+    if not leading == k_shape[:-2] == value.shape[:-2]:
+        leading = tuple(batch_shape or _checks.broadcast("", {"q": leading, "k": k_shape[:-2], "v": value.shape[:-2]}))
+    if q_shape[-2] == 0 or k_shape[-2] == 0 or 0 in leading:
+        return None
+    return leading
+
+
+def _kernel(
+    q_shape: Any, k_shape: Any, v_shape: Any, leading: Any, is_causal: bool, scale: float
+) -> Callable[..., Any]:
+    """PyTorch's SDPA for inputs of these shapes, as a function of
+    ``(query, key, value, attn_mask=None)``."""
+    fused = _fused_attention or _load()
+    n, d_k, m, d_v = q_shape[-2], q_shape[-1], k_shape[-2], v_shape[-1]
+    if d_k and scale == 1.0 / math.sqrt(d_k):
+        scale = None  # PyTorch's own default, computed alike: the keyword costs a microsecond per call
+    if leading == q_shape[:-2] == k_shape[:-2] == v_shape[:-2] and 1 <= len(leading) <= 2:
+        if scale is None and not is_causal:
+            return fused  # its own signature is (query, key, value, attn_mask=None)
         # Positional (attn_mask, dropout_p, is_causal): keywords cost a microsecond here.
         if scale is None:
-            return fused(query, key, value, attn_mask, 0.0, is_causal)
-        return fused(query, key, value, attn_mask, 0.0, is_causal, scale=scale)
+            return lambda query, key, value, attn_mask=None: fused(query, key, value, attn_mask, 0.0, is_causal)
+        return lambda query, key, value, attn_mask=None: fused(
+            query, key, value, attn_mask, 0.0, is_causal, scale=scale
+        )
+
     # PyTorch's fused CPU kernels want (batch, heads, n, d): other layouts (no
     # leading dimension, broadcast heads, 5-D grouped heads) fall back to a
     # slow path that materialises the scores, so flatten the leading shape.
-    d_k, d_v = q_shape[-1], v_shape[-1]
-    query = query.expand(*leading, n, d_k).reshape(1, -1, n, d_k)
-    key = key.expand(*leading, m, d_k).reshape(1, -1, m, d_k)
-    value = value.expand(*leading, m, d_v).reshape(1, -1, m, d_v)
-    if attn_mask is not None:
-        attn_mask = attn_mask.expand(*leading, n, m).reshape(1, -1, n, m)
-    output = fused(query, key, value, attn_mask, 0.0, is_causal, scale=scale)
-    return output.reshape(*leading, n, d_v)
+    # The slice count spelled out: -1 is ambiguous for an empty feature axis.
+    slices = math.prod(leading)
+
+    def flattened(query: Any, key: Any, value: Any, attn_mask: Any = None) -> Any:
+        query = query.expand(*leading, n, d_k).reshape(1, slices, n, d_k)
+        key = key.expand(*leading, m, d_k).reshape(1, slices, m, d_k)
+        value = value.expand(*leading, m, d_v).reshape(1, slices, m, d_v)
+        if attn_mask is not None:
+            attn_mask = attn_mask.expand(*leading, n, m).reshape(1, slices, n, m)
+        output = fused(query, key, value, attn_mask, 0.0, is_causal, scale=scale)
+        return output.reshape(*leading, n, d_v)
+
+    return flattened
 
 
 def _flex_attention(

@@ -170,3 +170,38 @@ def test_every_block_plan_computes_attention(attnx_backend, problem):
             stack.enter_context(attnx.memory_budget(budget))
         out = attnx.scaled_dot_product_attention(*args, is_causal=causal, scale=0.5, chunk_size=chunk_size)
     assert_close(out, expected, be, "float64")
+
+
+@st.composite
+def call_sequences(draw, dtypes):
+    """Calls drawn from few signatures, so that signatures repeat."""
+    signature = st.tuples(
+        st.sampled_from([(), (2,), (1, 2)]),  # leading shape
+        st.sampled_from([2, 3]),  # n
+        st.sampled_from([2, 3]),  # m
+        st.sampled_from([2, 4]),  # d_k
+        st.sampled_from(dtypes),
+        st.booleans(),  # is_causal
+        st.sampled_from([None, 0.5]),  # scale
+    )
+    return draw(st.lists(signature, min_size=2, max_size=10)), draw(st.integers(0, 2**32 - 1))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_each_call_of_a_sequence_computes_its_own_attention(attnx_backend, data):
+    """Whatever calls came before, each computes its own attention: a
+    backend's plans (:meth:`attnx.Backend.specialize`) serve only calls of
+    their own signature."""
+    be = attnx_backend
+    calls, seed = data.draw(call_sequences(be.dtypes), label="calls")
+    gen = np.random.default_rng(seed)
+    for batch, n, m, d_k, dtype, causal, scale in calls:
+        q, k, v = (gen.standard_normal((*batch, rows, d_k)) for rows in (n, m, m))
+        out = attnx.scaled_dot_product_attention(
+            *(be.array(a, dtype) for a in (q, k, v)), is_causal=causal, scale=scale
+        )
+        rounded_inputs = (rounded(a, be, dtype) for a in (q, k, v))
+        allowed = _allowed(None, causal, n, m)
+        expected, _ = reference.scaled_dot_product_attention(*rounded_inputs, allowed=allowed, scale=scale)
+        assert_close(out, expected, be, dtype)

@@ -301,6 +301,21 @@ def test_empty_queries_or_keys(attnx_backend, n, m):
     assert_close(attnx.masked_softmax(be.array(np.zeros((2, n, m)), "float32")), np.zeros((2, n, m)), be, "float32")
 
 
+@pytest.mark.parametrize("d_k, d_v", [(4, 0), (0, 3), (0, 0)])
+@pytest.mark.parametrize("leading", [(), (2,), (2, 3)], ids=str)
+def test_empty_feature_dimensions(attnx_backend, leading, d_k, d_v):
+    """No features: scores of zero (uniform weights) where d_k = 0, and an
+    empty output where d_v = 0, at any number of leading dimensions."""
+    be = attnx_backend
+    (q, k, v), (qr, kr, vr) = make_inputs(be, "float64", leading, leading, 3, 4, d_k, d_v, seed=9)
+    for kwargs in ({}, {"is_causal": True}, {"chunk_size": 2}):
+        allowed = reference.allowed_mask(3, 4, batch_shape=leading, is_causal=kwargs.get("is_causal", False))
+        expected, _ = reference.scaled_dot_product_attention(qr, kr, vr, allowed=allowed, scale=1.0)
+        out = attnx.scaled_dot_product_attention(q, k, v, **kwargs)
+        assert tuple(out.shape) == (*leading, 3, d_v)
+        assert_close(out, expected, be, "float64")
+
+
 def test_leading_dimensions_only_value_has_shape_the_weights_too(attnx_backend):
     """Weights come from query and key, but broadcast to the leading shape of
     all three, as the output does."""
