@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import GRID, timed
+from conftest import BACKENDS, GRID, timed
 from overhead import checked_torch_sdpa
 
 import attnx
@@ -15,6 +15,12 @@ SHAPES = {
     "small": [(1, 8, 128, 64), (1, 8, 512, 64), (4, 8, 512, 64), (1, 8, 2048, 64)],
     "full": [(b, 8, n, d) for b in (1, 4) for n in (128, 512, 2048, 8192) for d in (64, 128)],
 }[GRID]
+
+
+#: The torch backend, for PyTorch's baselines: timed with the same wait for
+#: queued GPU work as attnx's torch rows (on the CPU a call that returns at
+#: once, but a call all the same, which tiny inputs notice).
+TORCH = attnx._registry.get("torch") if "torch" in BACKENDS else None
 
 
 def flops(shape, causal):
@@ -52,7 +58,7 @@ def test_torch_sdpa_baseline(benchmark, shape, causal, dtype):
     q, k, v = inputs("torch", shape, dtype)
     benchmark.group = f"sdpa {'causal' if causal else 'full'} {shape} {dtype}"
     benchmark.extra_info.update(flops=flops(shape, causal), baseline=True)
-    timed(benchmark, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    timed(benchmark, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal), TORCH)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -83,16 +89,16 @@ def test_tiny_torch_direct(benchmark):
     q, k, v = inputs("torch", TINY)
     benchmark.group = f"tiny {TINY} on torch"
     benchmark.extra_info.update(flops=flops(TINY, False), baseline=True)
-    timed(benchmark, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    timed(benchmark, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), TORCH)
 
 
 def test_tiny_torch_checked(benchmark):
-    """The floor of any validating wrapper (see ``overhead.checked_torch_sdpa``)."""
+    """A wrapper that validates every call (``overhead.checked_torch_sdpa``)."""
     pytest.importorskip("torch")
     q, k, v = inputs("torch", TINY)
     benchmark.group = f"tiny {TINY} on torch"
     benchmark.extra_info.update(flops=flops(TINY, False), baseline=False)
-    timed(benchmark, lambda: checked_torch_sdpa(q, k, v))
+    timed(benchmark, lambda: checked_torch_sdpa(q, k, v), TORCH)
 
 
 def test_tiny_numpy_textbook(benchmark):
