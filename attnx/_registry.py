@@ -134,11 +134,16 @@ class Registry:
                 continue
             for backend in backends:
                 self._add_backend(_Entry(backend, name, distribution))
+        self._forget_types()
+
+    def _forget_types(self) -> None:
+        """Drop what was learnt of array types (their owners, and the plans
+        made for them): a backend came or went."""
         self._type_owners.clear()
         self._shared_types.clear()
         self._multi_device_types.clear()
-        self._plans.clear()
         self._planning_types.clear()
+        self._plans.clear()
 
     def _add_backend(self, entry: _Entry) -> None:
         name = entry.backend.name
@@ -180,11 +185,7 @@ class Registry:
             self._entries = {k: e for k, e in self._entries.items() if e.plugin != name}
             self._failures = [e for e in self._failures if e.plugin != name]
             self._ignored = [(n, e) for n, e in self._ignored if e.plugin != name]
-            self._type_owners.clear()
-            self._shared_types.clear()
-            self._multi_device_types.clear()
-        self._plans.clear()
-        self._planning_types.clear()
+            self._forget_types()
 
     def names(self) -> list[str]:
         self._ensure_loaded()
