@@ -11,6 +11,7 @@ usual and need no mark.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -28,3 +29,21 @@ def run_at_trace_time(function: Function) -> Function:
     only by a new compilation."""
     setattr(function, DYNAMO_CONSTANT_MARK, True)
     return function
+
+
+def compiling() -> bool:
+    """Whether ``torch.compile``'s dynamo is tracing the caller (False where
+    PyTorch isn't loaded: it is looked up, never imported).  For state that a
+    compiled graph must not depend on: dynamo guards on what traced code
+    reads, and a store that grows with every new call (attnx's plans) would
+    make it compile again after each."""
+    global _is_compiling
+    if _is_compiling is None:  # until PyTorch is loaded, nothing can be compiling
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        _is_compiling = torch.compiler.is_compiling
+    return _is_compiling()
+
+
+_is_compiling: Callable[[], bool] | None = None

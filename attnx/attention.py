@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from attnx import _checks, _dispatch, _masking, _plans, _tiling
+from attnx import _checks, _dispatch, _masking, _plans, _tiling, _tracing
 from attnx._config import get_memory_budget
 from attnx._tiling import KEY_CHUNK, MIN_ROWS
 
@@ -105,6 +105,7 @@ def scaled_dot_product_attention(
         and type(is_causal) is bool
         and type(return_weights) is bool
         and (backend is None or type(backend) is str)
+        and not _tracing.compiling()  # a compiled graph checks once anyway, and must not guard on the plans
     ):
         plan, signature = _plans.lookup(_SDPA, (query, key, value), (is_causal, scale, return_weights, backend))
         if plan is not None:  # this signature was validated before: see attnx._plans

@@ -184,3 +184,21 @@ def test_compiled_calls_after_plans_equal_eager_ones(dynamic):
         compiled = torch.compile(function, fullgraph=True, dynamic=dynamic)
         torch.testing.assert_close(compiled(*tensors), eager)
         torch.testing.assert_close(compiled(*_tensors(n=n + 1, m=n + 1)), function(*_tensors(n=n + 1, m=n + 1)))
+
+
+def test_new_plans_do_not_make_compiled_code_compile_again():
+    """dynamo guards on what traced code reads: compiled calls don't look
+    for plans, so plans made later by eager calls leave the graph alone."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(SDPA, backend=counter, fullgraph=True)
+    tensors = _tensors(n=8, m=8)
+    compiled(*tensors)
+    compiled(*tensors)
+    compiles = counter.frame_count
+    for n in range(2, 7):  # eager calls of new signatures: each makes a plan
+        SDPA(*_tensors(n=n, m=n))
+        SDPA(*_tensors(n=n, m=n))
+        torch.testing.assert_close(compiled(*tensors), SDPA(*tensors))
+    assert counter.frame_count == compiles
