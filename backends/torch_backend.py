@@ -138,7 +138,7 @@ def _scaled_dot_product_attention(
         attn_mask = None  # lets PyTorch pick its fused kernels
     else:
         # The one mask rule of attnx, expressed as PyTorch's single mask.
-        xp = _namespace[0]
+        xp = _namespace[0] if _namespace else _load_namespace()
         allowed, additive = _masking.combine(
             xp,
             mask=mask,
@@ -284,12 +284,17 @@ _namespace: list[Any] = []
 
 def _load() -> Any:
     global _fused_attention
-    import array_api_compat.torch
     from torch.nn.functional import scaled_dot_product_attention
 
-    _namespace[:] = [array_api_compat.torch]
     _fused_attention = scaled_dot_product_attention
     return _fused_attention
+
+
+def _load_namespace() -> Any:
+    import array_api_compat.torch
+
+    _namespace[:] = [array_api_compat.torch]
+    return _namespace[0]
 
 
 def _is_batched(array: Any) -> bool:
