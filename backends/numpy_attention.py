@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import array_api_compat.numpy as xp
@@ -33,7 +34,7 @@ from attnx import _masking, get_memory_budget
 
 # The same thresholds as the generic algorithm's (measured there): blocks
 # of at least MIN_ROWS query rows, at most KEY_CHUNK keys.
-from attnx.attention import KEY_CHUNK, MIN_ROWS
+from attnx.attention import KEY_CHUNK, MIN_ROWS, choose_chunks
 
 #: Query rows per task at most: more rows per task means fewer tasks to share
 #: among threads, and for causal masks more work spent above the diagonal.
@@ -96,23 +97,13 @@ def scaled_dot_product_attention(
     """attnx's native entry point (see :meth:`attnx.Backend.implementations`);
     ``backend`` (bound by it) runs the tasks on its threads.  A ``chunk_size``
     the user gave sets the rows and keys of each task (``chunks``)."""
-    n, m = query.shape[-2], key.shape[-2]
-    dtype = query.dtype
-    if (
-        return_weights
-        or mask is not None
-        or key_lengths is not None
-        or dtype.char not in ("f", "d")  # float32, float64
-        or n == 0
-        or m == 0
-        or (is_causal and n > m)  # rows with no key at all: the generic algorithm's zeros
-    ):
-        return NotImplemented
     if batch_shape is None:
         batch_shape = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
-    slices = math.prod(batch_shape)
-    if slices == 0:
+    slices = _slices_taken(query, key, mask, key_lengths, is_causal, return_weights, batch_shape)
+    if slices is None:
         return NotImplemented
+    n, m = query.shape[-2], key.shape[-2]
+    dtype = query.dtype
     # A Python float keeps the inputs' dtype (NEP 50); a 0-d array is cast to it.
     scale = scale if type(scale) is float else dtype.type(scale)
     if chunks is None and slices * n * m < PARALLEL_SCORES:  # within the budget: attnx planned no chunks
@@ -160,6 +151,65 @@ def scaled_dot_product_attention(
     else:
         backend.map_blocks(attend, tasks)
     return output.reshape(*batch_shape, n, d_v)
+
+
+def _slices_taken(
+    query: Any, key: Any, mask: Any, key_lengths: Any, is_causal: bool, return_weights: bool, batch_shape: Any
+) -> int | None:
+    """The number of (batch, head) slices of a call this native computes, or
+    None for the calls it hands to the generic algorithm."""
+    n, m = query.shape[-2], key.shape[-2]
+    if (
+        return_weights
+        or mask is not None
+        or key_lengths is not None
+        or query.dtype.char not in ("f", "d")  # float32, float64
+        or n == 0
+        or m == 0
+        or (is_causal and n > m)  # rows with no key at all: the generic algorithm's zeros
+    ):
+        return None
+    return math.prod(batch_shape) or None
+
+
+def small_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any] | None:
+    """A plan (:meth:`attnx.Backend.specialize`) for the calls small enough
+    for one block, :func:`_attend_small`: attnx's checks and dispatch cost
+    half as much again as the work there.  The memory budget is read at every
+    call: where it no longer holds the scores, the call gets the blocks a
+    full call would."""
+    query, key, scale = arguments["query"], arguments["key"], arguments["scale"]
+    is_causal, batch_shape = arguments["is_causal"], arguments["batch_shape"]
+    slices = _slices_taken(
+        query,
+        key,
+        arguments["mask"],
+        arguments["key_lengths"],
+        is_causal,
+        arguments["return_weights"],
+        batch_shape,
+    )
+    n, m, dtype = query.shape[-2], key.shape[-2], query.dtype
+    if (
+        slices is None
+        or slices * n * m >= PARALLEL_SCORES
+        or arguments["chunks"] is not None
+        or arguments["chunk_size"] is not None
+        or type(scale) is not float
+    ):
+        return None
+    scores_bytes = slices * n * m * dtype.itemsize
+    options = {name: arguments[name] for name in ("mask", "key_lengths", "is_causal", "scale", "return_weights")}
+
+    def plan(query: Any, key: Any, value: Any) -> Any:
+        if scores_bytes <= get_memory_budget():
+            return _attend_small(query, key, value, scale, is_causal)
+        chunks = choose_chunks(xp, dtype, n, m, batch_shape, None, False, is_causal, backend.concurrent_blocks)
+        return scaled_dot_product_attention(
+            query=query, key=key, value=value, chunks=chunks, batch_shape=batch_shape, backend=backend, **options
+        )
+
+    return plan
 
 
 #: Each thread's scores buffer, kept between calls: a fresh buffer of blocks'

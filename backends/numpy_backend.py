@@ -108,6 +108,13 @@ class NumPyBackend(Backend):
             self._natives = {"scaled_dot_product_attention": sdpa}
         return self._natives
 
+    def specialize(self, operation: str, arguments: Mapping[str, Any]) -> Callable[..., Any] | None:
+        if operation == "scaled_dot_product_attention":
+            from . import numpy_attention
+
+            return numpy_attention.small_plan(self, arguments)
+        return None
+
     def version(self) -> str:
         import numpy
 

@@ -148,3 +148,64 @@ def test_native_shifts_rows_by_their_bound_only_where_nothing_underflows(monkeyp
 
 
 TOLERANCE = {"float32": {"rtol": 2e-5, "atol": 2e-6}, "float64": {"rtol": 1e-10, "atol": 1e-12}}
+
+
+def _small_inputs(seed=0, shape=(2, 3, 6, 4)):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
+
+
+def _formula(query, key, value):
+    query, key, value = (a.astype(np.float64) for a in (query, key, value))
+    scores = query @ np.swapaxes(key, -1, -2) / np.sqrt(query.shape[-1])
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return weights / weights.sum(axis=-1, keepdims=True) @ value
+
+
+def test_small_calls_are_checked_once_then_planned(monkeypatch):
+    from attnx import _dispatch
+    from attnx._registry import registry
+
+    registry._plans.clear()
+    attnx.scaled_dot_product_attention(*_small_inputs(shape=(1, 2, 3, 4)))  # the registry meets ndarray
+    resolved = []
+    resolve = _dispatch.resolve
+    monkeypatch.setattr(_dispatch, "resolve", lambda *args: resolved.append(1) or resolve(*args))
+    for seed in range(3):
+        inputs = _small_inputs(seed)
+        output = attnx.scaled_dot_product_attention(*inputs)
+        np.testing.assert_allclose(output, _formula(*inputs), rtol=1e-5, atol=1e-6)
+    assert len(resolved) == 1
+
+
+def test_a_small_plan_keeps_to_a_budget_lowered_later(monkeypatch):
+    """The plan reads the memory budget at every call: below the scores'
+    size it runs the blocks a full call would, not its one block."""
+    from attnx_backends import numpy_attention
+
+    inputs = _small_inputs()
+    attnx.scaled_dot_product_attention(*inputs)
+    attnx.scaled_dot_product_attention(*inputs)  # planned now
+
+    def one_block(*args):
+        raise AssertionError("one block of scores beyond the memory budget")
+
+    with attnx.memory_budget(6 * 6 * 4):  # one slice's scores, not six
+        monkeypatch.setattr(numpy_attention, "_attend_small", one_block)
+        output = attnx.scaled_dot_product_attention(*inputs)
+    np.testing.assert_allclose(output, _formula(*inputs), rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()
+    np.testing.assert_allclose(attnx.scaled_dot_product_attention(*inputs), output, rtol=1e-6, atol=1e-7)
+
+
+def test_small_plans_hold_no_arrays():
+    import gc
+    import weakref
+
+    query, key, value = _small_inputs(shape=(1, 1, 5, 3))
+    attnx.scaled_dot_product_attention(query, key, value)
+    attnx.scaled_dot_product_attention(query, key, value)
+    alive = [weakref.ref(a) for a in (query, key, value)]
+    del query, key, value
+    gc.collect()
+    assert all(ref() is None for ref in alive)
