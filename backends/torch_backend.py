@@ -137,8 +137,11 @@ def _scaled_dot_product_attention(
     if mask is None and key_lengths is None and (not is_causal or n == m):
         attn_mask = None  # lets PyTorch pick its fused kernels
     else:
-        # The one mask rule of attnx, expressed as PyTorch's single mask.
-        xp = _namespace[0] if _namespace else _load_namespace()
+        # The one mask rule of attnx, expressed as PyTorch's single mask.  An
+        # import here, not a global loaded elsewhere: nothing to load first,
+        # and its microsecond is small beside building the mask.
+        import array_api_compat.torch as xp
+
         allowed, additive = _masking.combine(
             xp,
             mask=mask,
@@ -279,7 +282,6 @@ def pytorch_flex(
 # Imported on first use, then looked up as globals: a per-call import costs
 # microseconds that small inputs notice.
 _fused_attention: Any = None
-_namespace: list[Any] = []
 
 
 def _load() -> Any:
@@ -288,13 +290,6 @@ def _load() -> Any:
 
     _fused_attention = scaled_dot_product_attention
     return _fused_attention
-
-
-def _load_namespace() -> Any:
-    import array_api_compat.torch
-
-    _namespace[:] = [array_api_compat.torch]
-    return _namespace[0]
 
 
 def _is_batched(array: Any) -> bool:
