@@ -209,3 +209,39 @@ def test_small_plans_hold_no_arrays():
     del query, key, value
     gc.collect()
     assert all(ref() is None for ref in alive)
+
+
+@pytest.mark.parametrize("length", [None, 40.0], ids=["bounded", "running-maximum"])
+def test_causal_tasks_of_many_slices_attend_their_rows_in_blocks(monkeypatch, length):
+    """Causal tasks of at least ``SPLIT_SLICES`` slices attend rows 0-63 and
+    64-99 separately, each to the keys up to its own diagonal (m > n: the
+    diagonal is shifted by m - n), on either path of the rows' shift."""
+    from attnx_backends import numpy_attention
+
+    rng = np.random.default_rng(2)
+    n, m = 100, 130
+    q = rng.standard_normal((16, 8, n, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((16, 8, m, 16)).astype(np.float32) for _ in range(2))
+    if length is not None:  # scores far below their bound: the running maximum's path
+        q *= length / np.linalg.norm(q, axis=-1, keepdims=True)
+        k *= length / np.linalg.norm(k, axis=-1, keepdims=True)
+    monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 2)
+    blocks = []
+    for name in ("_attend_bounded", "_attend_block"):
+        original = getattr(numpy_attention, name)
+
+        def recording(query, *args, original=original, name=name):
+            blocks.append((name, query.shape[0], query.shape[1]))
+            return original(query, *args)
+
+        monkeypatch.setattr(numpy_attention, name, recording)
+    got = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected_path = "_attend_bounded" if length is None else "_attend_block"
+    assert {(name, rows) for name, slices, rows in blocks} == {(expected_path, 64), (expected_path, 36)}, blocks
+    assert min(slices for _, slices, _ in blocks) >= numpy_attention.SPLIT_SLICES
+    scores = q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2) / 4.0
+    scores = np.where(np.tril(np.ones((n, m), dtype=bool), k=m - n), scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    expected = weights / weights.sum(axis=-1, keepdims=True) @ v.astype(np.float64)
+    tolerance = TOLERANCE["float32"] if length is None else {"rtol": 1e-3, "atol": 1e-4}
+    np.testing.assert_allclose(got, expected, **tolerance)
