@@ -206,9 +206,10 @@ class Backend:
         value``).  attnx calls it for this call and for every later call
         whose arrays have the same types, shapes, dtypes and devices and
         whose other arguments are equal, without validating again: it must
-        compute what the native would for any such arrays, and read no
+        compute what the native would for any such arrays, and bake in no
         state of attnx (the memory budget), since it is not asked again
-        when that changes.  None (the default) declines: such calls are
+        when that changes: a plan that depends on it reads it at each call.
+        None (the default) declines: such calls are
         validated and dispatched each time.  Worth it only where the checks
         cost as much as the work (small inputs on a fused kernel).
         """

@@ -210,13 +210,13 @@ def small_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any]
         or type(scale) is not float
     ):
         return None
-    scores_bytes = slices * n * m * dtype.itemsize
     options = {name: arguments[name] for name in ("mask", "key_lengths", "is_causal", "scale", "return_weights")}
 
     def plan(query: Any, key: Any, value: Any) -> Any:
-        if scores_bytes <= get_memory_budget():
-            return _attend_small(query, key, value, scale, is_causal)
+        # attnx's one rule for when scores need blocks, asked at each call.
         chunks = choose_chunks(xp, dtype, n, m, batch_shape, None, False, is_causal, backend.concurrent_blocks)
+        if chunks is None:
+            return _attend_small(query, key, value, scale, is_causal)
         return scaled_dot_product_attention(
             query=query, key=key, value=value, chunks=chunks, batch_shape=batch_shape, backend=backend, **options
         )

@@ -9,7 +9,8 @@ at shape (1, 1, 16, 16) float32:
   fewest checks attnx's contract asks for, inline on every call
   (:func:`checked_torch_sdpa`), and ``attnx.scaled_dot_product_attention``,
   which checks a signature once and then runs its plan (``attnx._plans``);
-- NumPy: the textbook version and attnx's generic path.
+- NumPy: the textbook version and attnx on NumPy arrays (its backend's plan
+  for small calls).
 
 Reports the best round of each (per call), the time added over the direct
 call and the ratio to the textbook version.  The pytest-benchmark suite's
