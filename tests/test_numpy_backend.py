@@ -102,11 +102,13 @@ def test_read_only_arrays_are_never_updated_in_place():
     assert not can_mutate(np.broadcast_to(np.ones(3), (2, 3)))
 
 
-def _reference(q, k, v, is_causal):
-    """float64 softmax attention, straight from the formula."""
+def _reference(q, k, v, is_causal=False):
+    """float64 softmax attention, straight from the formula (causal: query i
+    sees keys up to i + m - n, the last query every key)."""
     scores = q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2) / np.sqrt(q.shape[-1])
     if is_causal:
-        scores = np.where(np.tril(np.ones(scores.shape[-2:], dtype=bool)), scores, -np.inf)
+        n, m = scores.shape[-2:]
+        scores = np.where(np.tril(np.ones((n, m), dtype=bool), k=m - n), scores, -np.inf)
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
     return (weights / weights.sum(axis=-1, keepdims=True)) @ v.astype(np.float64)
 
@@ -155,13 +157,6 @@ def _small_inputs(seed=0, shape=(2, 3, 6, 4)):
     return [rng.standard_normal(shape).astype(np.float32) for _ in range(3)]
 
 
-def _formula(query, key, value):
-    query, key, value = (a.astype(np.float64) for a in (query, key, value))
-    scores = query @ np.swapaxes(key, -1, -2) / np.sqrt(query.shape[-1])
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return weights / weights.sum(axis=-1, keepdims=True) @ value
-
-
 def test_small_calls_are_checked_once_then_planned(monkeypatch):
     from attnx import _dispatch
     from attnx._registry import registry
@@ -174,7 +169,7 @@ def test_small_calls_are_checked_once_then_planned(monkeypatch):
     for seed in range(3):
         inputs = _small_inputs(seed)
         output = attnx.scaled_dot_product_attention(*inputs)
-        np.testing.assert_allclose(output, _formula(*inputs), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(output, _reference(*inputs), rtol=1e-5, atol=1e-6)
     assert len(resolved) == 1
 
 
@@ -193,7 +188,7 @@ def test_a_small_plan_keeps_to_a_budget_lowered_later(monkeypatch):
     with attnx.memory_budget(6 * 6 * 4):  # one slice's scores, not six
         monkeypatch.setattr(numpy_attention, "_attend_small", one_block)
         output = attnx.scaled_dot_product_attention(*inputs)
-    np.testing.assert_allclose(output, _formula(*inputs), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(output, _reference(*inputs), rtol=1e-5, atol=1e-6)
     monkeypatch.undo()
     np.testing.assert_allclose(attnx.scaled_dot_product_attention(*inputs), output, rtol=1e-6, atol=1e-7)
 
@@ -239,9 +234,6 @@ def test_causal_tasks_of_many_slices_attend_their_rows_in_blocks(monkeypatch, le
     expected_path = "_attend_bounded" if length is None else "_attend_block"
     assert {(name, rows) for name, slices, rows in blocks} == {(expected_path, 64), (expected_path, 36)}, blocks
     assert min(slices for _, slices, _ in blocks) >= numpy_attention.SPLIT_SLICES
-    scores = q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2) / 4.0
-    scores = np.where(np.tril(np.ones((n, m), dtype=bool), k=m - n), scores, -np.inf)
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    expected = weights / weights.sum(axis=-1, keepdims=True) @ v.astype(np.float64)
+    expected = _reference(q, k, v, is_causal=True)
     tolerance = TOLERANCE["float32"] if length is None else {"rtol": 1e-3, "atol": 1e-4}
     np.testing.assert_allclose(got, expected, **tolerance)
