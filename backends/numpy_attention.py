@@ -114,19 +114,24 @@ def scaled_dot_product_attention(
     scale = scale if type(scale) is float else dtype.type(scale)
     if chunks is None and slices * n * m < PARALLEL_SCORES:  # within the budget: attnx planned no chunks
         return _attend_small(query, key, value, scale, is_causal)
-    d_k, d_v = query.shape[-1], value.shape[-1]
-    # (slices, n, d): a view where the layout allows, a copy where heads broadcast
-    q = np.broadcast_to(query, (*batch_shape, n, d_k)).reshape(slices, n, d_k)
-    k = np.broadcast_to(key, (*batch_shape, m, d_k)).reshape(slices, m, d_k)
-    v = np.broadcast_to(value, (*batch_shape, m, d_v)).reshape(slices, m, d_v)
+    d_v = value.shape[-1]
+    threads, budget = backend.concurrent_blocks, get_memory_budget()
+    # Queries within a thread's share of the budget are scaled once, here: a
+    # task that begins with a short NumPy call hands the GIL to a worker just
+    # woken, and waits some 40 us to have it back (on this project's VMs).
+    # Larger ones are scaled by each task, a block at a time.
+    block_scale = None if query.nbytes <= budget // threads else scale
+    q = _as_slices(query * scale if block_scale is None else query, batch_shape, slices)
+    k, v = _as_slices(key, batch_shape, slices), _as_slices(value, batch_shape, slices)
     output = np.empty((slices, n, d_v), dtype=dtype)
-    threads = backend.concurrent_blocks
-    per_task, rows, key_chunk = plan(slices, n, m, dtype.itemsize, is_causal, threads, get_memory_budget())
+    per_task, rows, key_chunk = plan(slices, n, m, dtype.itemsize, is_causal, threads, budget)
     if chunk_size is not None:
         (rows, key_chunk), per_task = chunks, 1
     key_t = k.transpose(0, 2, 1)  # a view: BLAS reads it transposed
     size = per_task * rows * key_chunk
-    bound = score_bound(q, k, scale)
+    # Over one key block the running maximum is one pass and no rescaling:
+    # the bound would cost more than it saves (see the module's docstring).
+    bound = score_bound(q, k, 1.0 if block_scale is None else scale) if m > key_chunk else None
     limit = SHIFT_LIMIT[dtype.char]
     # Causal tasks of many slices attend their rows in blocks of MIN_ROWS, each
     # to the keys up to its own diagonal (see SPLIT_SLICES).
@@ -135,9 +140,9 @@ def scaled_dot_product_attention(
     def attend(task: tuple[int, int]) -> None:
         s0, r0 = task
         s1, r1 = min(slices, s0 + per_task), min(n, r0 + rows)
-        shift = bound[s0:s1, r0:r1, None]
+        shift = None if bound is None else bound[s0:s1, r0:r1, None]
         # ``<=`` is False for NaN: inputs with NaN or inf take the maximum's path.
-        attend_block = _attend_bounded if shift.max() <= limit else _attend_block
+        attend_block = _attend_bounded if shift is not None and shift.max() <= limit else _attend_block
         scratch = _scratch(size, dtype)
         for b0 in range(r0, r1, inner_rows):
             b1 = min(r1, b0 + inner_rows)
@@ -146,13 +151,13 @@ def scaled_dot_product_attention(
                 key_t[s0:s1],
                 v[s0:s1],
                 output[s0:s1, b0:b1],
-                scale,
+                block_scale,
                 is_causal,
                 b0,
                 n,
                 key_chunk,
                 scratch,
-                shift[:, b0 - r0 : b1 - r0],
+                None if shift is None else shift[:, b0 - r0 : b1 - r0],
             )
 
     # Causal tasks near the end of the sequence cost the most: start them
@@ -163,6 +168,14 @@ def scaled_dot_product_attention(
     else:
         backend.map_blocks(attend, tasks)
     return output.reshape(*batch_shape, n, d_v)
+
+
+def _as_slices(array: Any, batch_shape: tuple[int, ...], slices: int) -> Any:
+    """``array`` as ``(slices, rows, d)``: a view where the layout allows, a
+    copy where it broadcasts over the batch."""
+    if array.shape[:-2] != batch_shape:
+        array = np.broadcast_to(array, (*batch_shape, *array.shape[-2:]))
+    return array.reshape(slices, *array.shape[-2:])
 
 
 def _slices_taken(
@@ -184,12 +197,14 @@ def _slices_taken(
     return math.prod(batch_shape) or None
 
 
-def small_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any] | None:
-    """A plan (:meth:`attnx.Backend.specialize`) for the calls small enough
-    for one block, :func:`_attend_small`: attnx's checks and dispatch cost
-    half as much again as the work there.  The memory budget is read at every
-    call: where it no longer holds the scores, the call gets the blocks a
-    full call would."""
+def call_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any] | None:
+    """A plan (:meth:`attnx.Backend.specialize`) for the calls this native
+    takes: attnx's checks and dispatch cost 20-30 us, half as much again as
+    the work of a small call and a tenth of a (1, 8, 128, 64) one on two
+    threads.  Small calls run in one block, :func:`_attend_small`; the memory
+    budget is read at every call, and where it no longer holds their scores
+    they get the blocks a full call would.  Larger calls go to the native,
+    which plans its blocks at every call."""
     query, key, scale = arguments["query"], arguments["key"], arguments["scale"]
     is_causal, batch_shape = arguments["is_causal"], arguments["batch_shape"]
     slices = _slices_taken(
@@ -201,22 +216,18 @@ def small_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any]
         arguments["return_weights"],
         batch_shape,
     )
-    n, m, dtype = query.shape[-2], key.shape[-2], query.dtype
-    if (
-        slices is None
-        or slices * n * m >= PARALLEL_SCORES
-        or arguments["chunks"] is not None
-        or arguments["chunk_size"] is not None
-        or type(scale) is not float
-    ):
+    if slices is None or arguments["chunk_size"] is not None or type(scale) is not float:
         return None
+    n, m, dtype = query.shape[-2], key.shape[-2], query.dtype
     options = {name: arguments[name] for name in ("mask", "key_lengths", "is_causal", "scale", "return_weights")}
+    small = slices * n * m < PARALLEL_SCORES
 
     def plan(query: Any, key: Any, value: Any) -> Any:
-        # attnx's one rule for when scores need blocks, asked at each call.
-        chunks = choose_chunks(xp, dtype, n, m, batch_shape, None, False, is_causal, backend.concurrent_blocks)
-        if chunks is None:
-            return _attend_small(query, key, value, scale, is_causal)
+        chunks = None
+        if small:  # attnx's one rule for when scores need blocks, asked at each call
+            chunks = choose_chunks(xp, dtype, n, m, batch_shape, None, False, is_causal, backend.concurrent_blocks)
+            if chunks is None:
+                return _attend_small(query, key, value, scale, is_causal)
         return scaled_dot_product_attention(
             query=query, key=key, value=value, chunks=chunks, batch_shape=batch_shape, backend=backend, **options
         )
@@ -272,9 +283,32 @@ def _scores(query: Any, key_t: Any, buffer: Any, is_causal: bool, r0: int, n: in
     past = r0 + m - n + 1  # keys before it are in every row's past: no mask needed
     if is_causal and c1 > past:  # mask the band around the diagonal only
         b0 = max(c0, past)
-        allowed = _masking.causal(xp, n, m, rows=(r0, r0 + rows), cols=(b0, c1))
-        np.copyto(scores[..., b0 - c0 :], -np.inf, where=~allowed)
+        np.copyto(scores[..., b0 - c0 :], -np.inf, where=_future(n, m, r0, r0 + rows, b0, c1))
     return scores
+
+
+#: The causal mask's future on the band of a block, by the block's geometry
+#: (see :func:`_future`): building one takes some 17 us, a tenth of a task
+#: of four (128, 128) slices.  At most BANDS of at most BAND_ITEMS each.
+_bands: dict[tuple[int, int, int], Any] = {}
+BANDS, BAND_ITEMS = 64, 2**16
+
+
+def _future(n: int, m: int, r0: int, r1: int, b0: int, c1: int) -> Any:
+    """Boolean ``(r1 - r0, c1 - b0)``: True where a key of ``b0:c1`` is in
+    the future of a query of ``r0:r1`` (the negation of the causal rule).
+    It depends only on the block's size and where the diagonal crosses it,
+    so blocks of the same geometry share one read-only array."""
+    geometry = (r1 - r0, c1 - b0, r0 + m - n - b0)
+    future = _bands.get(geometry)
+    if future is None:
+        future = ~_masking.causal(xp, n, m, rows=(r0, r1), cols=(b0, c1))
+        if future.size <= BAND_ITEMS:
+            future.flags.writeable = False
+            if len(_bands) >= BANDS:
+                _bands.clear()
+            _bands[geometry] = future
+    return future
 
 
 def _attend_bounded(
@@ -295,7 +329,8 @@ def _attend_bounded(
     maximum: no pass for the maximum, and no rescaling of the sums and
     outputs from one key block to the next."""
     rows, m = query.shape[1], key_t.shape[-1]
-    query = query * scale
+    if scale is not None:
+        query = query * scale
     stop = min(m, r0 + rows + m - n) if is_causal else m
     total = None
     for c0 in range(0, stop, key_chunk):
@@ -327,11 +362,13 @@ def _attend_block(
     shift: Any = None,
 ) -> None:
     """Attention of the queries ``r0:r0 + rows`` (``query``: ``(slices, rows,
-    d_k)``) to every key they may see, written into ``output``; ``buffer``
-    (flat, at least ``slices * rows * key_chunk``) holds the scores.  The
-    online softmax with each row's running maximum; ``shift`` is unused."""
+    d_k)``, to be multiplied by ``scale``, or scaled already where it is None)
+    to every key they may see, written into ``output``; ``buffer`` (flat, at
+    least ``slices * rows * key_chunk``) holds the scores.  The online softmax
+    with each row's running maximum; ``shift`` is unused."""
     rows, m = query.shape[1], key_t.shape[-1]
-    query = query * scale  # (slices, rows, d_k): small, unlike the scores
+    if scale is not None:  # (slices, rows, d_k): small, unlike the scores
+        query = query * scale
     # With a causal mask, keys past r1 + (m - n) are in every row's future.
     stop = min(m, r0 + rows + m - n) if is_causal else m
     row_max = total = None

@@ -112,7 +112,7 @@ class NumPyBackend(Backend):
         if operation == "scaled_dot_product_attention":
             from . import numpy_attention
 
-            return numpy_attention.small_plan(self, arguments)
+            return numpy_attention.call_plan(self, arguments)
         return None
 
     def version(self) -> str:

@@ -7,6 +7,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attnx
 from attnx_backends.numpy_backend import NumPyBackend
@@ -134,9 +136,10 @@ def test_native_shifts_rows_by_their_bound_only_where_nothing_underflows(monkeyp
     for name in ("_attend_bounded", "_attend_block"):
         original = getattr(numpy_attention, name)
 
-        def recording(query, *args, original=original, name=name):
-            paths.append((name, float(np.linalg.norm(query, axis=-1).max())))
-            return original(query, *args)
+        def recording(query, key_t, value, output, scale, *args, original=original, name=name):
+            # the norm of the scaled queries (scale None: scaled already)
+            paths.append((name, float(np.linalg.norm(query, axis=-1).max()) * (scale or 1.0)))
+            return original(query, key_t, value, output, scale, *args)
 
         monkeypatch.setattr(numpy_attention, name, recording)
     got = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, chunk_size=(64, 128))
@@ -145,8 +148,9 @@ def test_native_shifts_rows_by_their_bound_only_where_nothing_underflows(monkeyp
     # Scores in the hundreds carry float32's rounding into the weights (the
     # reference reads the same rounded inputs, but rounds no score).
     np.testing.assert_allclose(got[1], expected[1], rtol=1e-3, atol=1e-4)
-    assert {name for name, norm in paths if norm < 20} == {"_attend_bounded"}, paths
-    assert {name for name, norm in paths if norm > 20} == {"_attend_block"}, paths
+    # Scaled by 1 / sqrt(d) = 1 / 8: norms about 1, and 5 or more.
+    assert {name for name, norm in paths if norm < 3} == {"_attend_bounded"}, paths
+    assert {name for name, norm in paths if norm > 3} == {"_attend_block"}, paths
 
 
 TOLERANCE = {"float32": {"rtol": 2e-5, "atol": 2e-6}, "float64": {"rtol": 1e-10, "atol": 1e-12}}
@@ -210,17 +214,19 @@ def test_small_plans_hold_no_arrays():
 def test_causal_tasks_of_many_slices_attend_their_rows_in_blocks(monkeypatch, length):
     """Causal tasks of at least ``SPLIT_SLICES`` slices attend rows 0-63 and
     64-99 separately, each to the keys up to its own diagonal (m > n: the
-    diagonal is shifted by m - n), on either path of the rows' shift."""
+    diagonal is shifted by m - n), on either path of the rows' shift (the
+    bound needs more than one key block: m > KEY_CHUNK)."""
     from attnx_backends import numpy_attention
 
     rng = np.random.default_rng(2)
-    n, m = 100, 130
-    q = rng.standard_normal((16, 8, n, 16)).astype(np.float32)
-    k, v = (rng.standard_normal((16, 8, m, 16)).astype(np.float32) for _ in range(2))
+    n, m = 100, 4100
+    q = rng.standard_normal((16, 1, n, 16)).astype(np.float32)
+    k, v = (rng.standard_normal((16, 1, m, 16)).astype(np.float32) for _ in range(2))
     if length is not None:  # scores far below their bound: the running maximum's path
         q *= length / np.linalg.norm(q, axis=-1, keepdims=True)
         k *= length / np.linalg.norm(k, axis=-1, keepdims=True)
-    monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 2)
+    # One thread, and a budget for 16 slices a task: tasks aren't split for threads.
+    monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 1)
     blocks = []
     for name in ("_attend_bounded", "_attend_block"):
         original = getattr(numpy_attention, name)
@@ -230,10 +236,34 @@ def test_causal_tasks_of_many_slices_attend_their_rows_in_blocks(monkeypatch, le
             return original(query, *args)
 
         monkeypatch.setattr(numpy_attention, name, recording)
-    got = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with attnx.memory_budget(64 * 2**20):
+        got = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
     expected_path = "_attend_bounded" if length is None else "_attend_block"
     assert {(name, rows) for name, slices, rows in blocks} == {(expected_path, 64), (expected_path, 36)}, blocks
     assert min(slices for _, slices, _ in blocks) >= numpy_attention.SPLIT_SLICES
     expected = _reference(q, k, v, is_causal=True)
     tolerance = TOLERANCE["float32"] if length is None else {"rtol": 1e-3, "atol": 1e-4}
     np.testing.assert_allclose(got, expected, **tolerance)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    blocks=st.lists(
+        st.tuples(st.integers(1, 12), st.integers(0, 12), st.integers(1, 6), st.integers(0, 12), st.integers(1, 6)),
+        min_size=2,
+        max_size=8,
+    )
+)
+def test_causal_bands_are_shared_only_by_blocks_of_one_geometry(blocks):
+    """The native keeps each block's causal band by its size and where the
+    diagonal crosses it: every band it hands out, cached or not, is the
+    causal rule's future for that block (key ``j`` after query ``i + m - n``)."""
+    from attnx_backends import numpy_attention
+
+    for n, r0, rows, b0, width in blocks:
+        r0 = min(r0, n - 1)
+        r1 = min(n, r0 + rows)
+        m = max(n, b0 + width)
+        future = numpy_attention._future(n, m, r0, r1, b0, b0 + width)
+        queries, keys = np.arange(r0, r1)[:, None], np.arange(b0, b0 + width)[None, :]
+        np.testing.assert_array_equal(future, keys > queries + (m - n))
