@@ -210,8 +210,9 @@ class Backend:
         state of attnx (the memory budget), since it is not asked again
         when that changes: a plan that depends on it reads it at each call.
         None (the default) declines: such calls are
-        validated and dispatched each time.  Worth it only where the checks
-        cost as much as the work (small inputs on a fused kernel).
+        validated and dispatched each time.  Worth it where the checks cost
+        a noticeable part of the work (small inputs on a fused kernel, calls
+        of a few hundred microseconds).
         """
         return None
 
