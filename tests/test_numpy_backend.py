@@ -197,6 +197,32 @@ def test_a_small_plan_keeps_to_a_budget_lowered_later(monkeypatch):
     np.testing.assert_allclose(attnx.scaled_dot_product_attention(*inputs), output, rtol=1e-6, atol=1e-7)
 
 
+def test_threaded_calls_are_planned_and_plan_their_blocks_at_each_call(monkeypatch):
+    """Calls above one block's size are planned too (checked once), and the
+    plan's native reads the memory budget at every call."""
+    from attnx import _dispatch
+    from attnx_backends import numpy_attention
+
+    shape = (1, 2, 300, 8)  # 180,000 scores: tasks on threads, not one block
+    attnx.scaled_dot_product_attention(*_small_inputs(shape=(1, 2, 3, 4)))  # the registry meets ndarray
+    attnx.scaled_dot_product_attention(*_small_inputs(shape=shape))  # checked, and planned
+    resolved, budgets = [], []
+    resolve, plan = _dispatch.resolve, numpy_attention.plan
+    monkeypatch.setattr(_dispatch, "resolve", lambda *args: resolved.append(1) or resolve(*args))
+    monkeypatch.setattr(numpy_attention, "plan", lambda *args: budgets.append(args[-1]) or plan(*args))
+    for seed, budget in ((1, None), (2, 300 * 64 * 4), (3, None)):
+        inputs = _small_inputs(seed, shape=shape)
+        if budget is None:
+            output = attnx.scaled_dot_product_attention(*inputs)
+        else:
+            with attnx.memory_budget(budget):
+                output = attnx.scaled_dot_product_attention(*inputs)
+        np.testing.assert_allclose(output, _reference(*inputs), rtol=1e-5, atol=1e-6)
+    assert resolved == []
+    default = attnx.get_memory_budget()
+    assert budgets == [default, 300 * 64 * 4, default]
+
+
 def test_small_plans_hold_no_arrays():
     import gc
     import weakref
