@@ -12,9 +12,10 @@ queries; each task walks the keys in blocks of ``key_chunk`` with the online
 softmax (a running maximum and sum), so its scores never exceed one block.
 
 Where the keys take more than one block and the inputs allow it, a task
-skips the running maximum altogether (:func:`_attend_bounded`): by Cauchy-Schwarz every score of row ``i`` lies
-within ``±b_i = scale * |q_i| * max_j |k_j|``, so ``exp(s - b_i)`` can neither
-overflow nor, while ``b_i`` stays within :data:`SHIFT_LIMIT`, underflow.
+skips the running maximum altogether (:func:`_attend_bounded`): by
+Cauchy-Schwarz every score of row ``i`` lies within ``±b_i = scale * |q_i| *
+max_j |k_j|``, so ``exp(s - b_i)`` can neither overflow nor, while ``b_i``
+stays within :data:`SHIFT_LIMIT`, underflow.
 Softmax does not change when a row is shifted by any constant, so the
 result is the same function; the pass that finds each row's maximum and
 every rescaling of the running sums disappear.  Over a single key block
