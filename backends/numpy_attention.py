@@ -261,7 +261,7 @@ def _attend_small(query: Any, key: Any, value: Any, scale: Any, is_causal: bool)
     n, m = query.shape[-2], key.shape[-2]
     scores = np.matmul(query * scale, key.swapaxes(-1, -2))
     if is_causal:
-        np.copyto(scores, -np.inf, where=~_masking.causal(xp, n, m))
+        np.copyto(scores, -np.inf, where=_future(n, m, 0, n, 0, m))
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     output = np.matmul(scores, value)
