@@ -117,40 +117,58 @@ def _reference(q, k, v, is_causal=False):
 
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_native_shifts_rows_by_their_bound_only_where_nothing_underflows(monkeypatch, dtype, is_causal):
-    """The native shifts a task's rows by a bound on their scores instead of
-    their maximum (``SHIFT_LIMIT``).  Batch entry 0 has ordinary inputs
-    (shifted by the bound); entry 1 has queries and keys so long (norm 40 in
-    float32, 100 in float64) that their scores stay far below the bound:
-    shifted by it, every exponential would underflow to 0 and the rows would
-    be NaN.  Both are right, and each took its own path."""
+def test_native_takes_exponentials_unshifted_only_within_their_range(monkeypatch, dtype, is_causal):
+    """The native takes the exponentials of scores within ``±EXP_LIMIT`` as
+    they are, and shifts rows by their running maximum from the first key
+    block beyond.  Batch entry 0 has ordinary inputs (unshifted); entry 1
+    has queries and keys so long (norm 40 in float32, 100 in float64) that
+    their exponentials would overflow unshifted; entry 2 has such keys from
+    key 128 on only: its rows turn shifted after one key block.  All are
+    right, and the blocks within the range took the unshifted path."""
     from attnx_backends import numpy_attention
 
     rng = np.random.default_rng(1)
     n, d = 256, 64
-    q, k, v = (rng.standard_normal((2, 2, n, d)).astype(dtype) for _ in range(3))
+    q, k, v = (rng.standard_normal((3, 2, n, d)).astype(dtype) for _ in range(3))
     length = {"float32": 40, "float64": 100}[dtype]
     q[1] *= length / np.linalg.norm(q[1], axis=-1, keepdims=True)
     k[1] *= length / np.linalg.norm(k[1], axis=-1, keepdims=True)
-    paths = []
-    for name in ("_attend_bounded", "_attend_block"):
-        original = getattr(numpy_attention, name)
+    k[2, :, 128:] *= 2 * length / np.linalg.norm(k[2, :, 128:], axis=-1, keepdims=True)
+    limit = numpy_attention.EXP_LIMIT[np.dtype(dtype).char]
+    checks = []
+    within = numpy_attention._within
 
-        def recording(query, key_t, value, output, scale, *args, original=original, name=name):
-            # the norm of the scaled queries (scale None: scaled already)
-            paths.append((name, float(np.linalg.norm(query, axis=-1).max()) * (scale or 1.0)))
-            return original(query, key_t, value, output, scale, *args)
+    def recording(array, bound):
+        result = within(array, bound)
+        if bound == limit:  # the scores' check, not the values'
+            checks.append((float(np.abs(array).max()), result))
+        return result
 
-        monkeypatch.setattr(numpy_attention, name, recording)
+    monkeypatch.setattr(numpy_attention, "_within", recording)
     got = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, chunk_size=(64, 128))
     expected = _reference(q, k, v, is_causal)
     np.testing.assert_allclose(got[0], expected[0], **TOLERANCE[dtype])
     # Scores in the hundreds carry float32's rounding into the weights (the
     # reference reads the same rounded inputs, but rounds no score).
-    np.testing.assert_allclose(got[1], expected[1], rtol=1e-3, atol=1e-4)
-    # Scaled by 1 / sqrt(d) = 1 / 8: norms about 1, and 5 or more.
-    assert {name for name, norm in paths if norm < 3} == {"_attend_bounded"}, paths
-    assert {name for name, norm in paths if norm > 3} == {"_attend_block"}, paths
+    np.testing.assert_allclose(got[1:], expected[1:], rtol=1e-3, atol=1e-4)
+    assert {result for score, result in checks if score < limit} == {True}, checks
+    assert {result for score, result in checks if score > limit} == {False}, checks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_native_shifts_rows_whose_values_would_overflow_unshifted(dtype):
+    """Equal scores of 4 and values near the dtype's largest: unshifted, the
+    sums of exponentials (e^4 each) times the values overflow; shifted by
+    their maximum (weights of 1) they do not."""
+    rng = np.random.default_rng(2)
+    n, d = 128, 64
+    q = np.full((1, 2, n, d), 2**-0.5, dtype=dtype)  # scores 64 / 2 / sqrt(64) = 4
+    large = {"float32": 1e36, "float64": 1e300}[dtype]
+    v = (large * rng.uniform(1, 2, (1, 2, n, d))).astype(dtype)
+    got = attnx.scaled_dot_product_attention(q, q, v, chunk_size=(64, 128))
+    expected = np.broadcast_to(v.astype(np.float64).mean(axis=-2, keepdims=True), v.shape)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
 TOLERANCE = {"float32": {"rtol": 2e-5, "atol": 2e-6}, "float64": {"rtol": 1e-10, "atol": 1e-12}}
@@ -236,37 +254,35 @@ def test_small_plans_hold_no_arrays():
     assert all(ref() is None for ref in alive)
 
 
-@pytest.mark.parametrize("length", [None, 40.0], ids=["bounded", "running-maximum"])
+@pytest.mark.parametrize("length", [None, 40.0], ids=["unshifted", "running-maximum"])
 def test_causal_tasks_of_many_slices_attend_their_rows_in_blocks(monkeypatch, length):
     """Causal tasks of at least ``SPLIT_SLICES`` slices attend rows 0-63 and
     64-99 separately, each to the keys up to its own diagonal (m > n: the
-    diagonal is shifted by m - n), on either path of the rows' shift (the
-    bound needs more than one key block: m > KEY_CHUNK)."""
+    diagonal is shifted by m - n, and the keys take two blocks: m >
+    KEY_CHUNK), with their exponentials unshifted or shifted."""
     from attnx_backends import numpy_attention
 
     rng = np.random.default_rng(2)
     n, m = 100, 4100
     q = rng.standard_normal((16, 1, n, 16)).astype(np.float32)
     k, v = (rng.standard_normal((16, 1, m, 16)).astype(np.float32) for _ in range(2))
-    if length is not None:  # scores far below their bound: the running maximum's path
+    if length is not None:  # scores up to 40 * 40 / 4: the running maximum's path
         q *= length / np.linalg.norm(q, axis=-1, keepdims=True)
         k *= length / np.linalg.norm(k, axis=-1, keepdims=True)
     # One thread, and a budget for 16 slices a task: tasks aren't split for threads.
     monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 1)
     blocks = []
-    for name in ("_attend_bounded", "_attend_block"):
-        original = getattr(numpy_attention, name)
+    original = numpy_attention._attend_block
 
-        def recording(query, *args, original=original, name=name):
-            blocks.append((name, query.shape[0], query.shape[1]))
-            return original(query, *args)
+    def recording(query, *args):
+        blocks.append((query.shape[0], query.shape[1]))
+        return original(query, *args)
 
-        monkeypatch.setattr(numpy_attention, name, recording)
+    monkeypatch.setattr(numpy_attention, "_attend_block", recording)
     with attnx.memory_budget(64 * 2**20):
         got = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
-    expected_path = "_attend_bounded" if length is None else "_attend_block"
-    assert {(name, rows) for name, slices, rows in blocks} == {(expected_path, 64), (expected_path, 36)}, blocks
-    assert min(slices for _, slices, _ in blocks) >= numpy_attention.SPLIT_SLICES
+    assert {rows for slices, rows in blocks} == {64, 36}, blocks
+    assert min(slices for slices, _ in blocks) >= numpy_attention.SPLIT_SLICES
     expected = _reference(q, k, v, is_causal=True)
     tolerance = TOLERANCE["float32"] if length is None else {"rtol": 1e-3, "atol": 1e-4}
     np.testing.assert_allclose(got, expected, **tolerance)
@@ -290,6 +306,6 @@ def test_causal_bands_are_shared_only_by_blocks_of_one_geometry(blocks):
         r0 = min(r0, n - 1)
         r1 = min(n, r0 + rows)
         m = max(n, b0 + width)
-        future = numpy_attention._future(n, m, r0, r1, b0, b0 + width)
+        future = numpy_attention._band(n, m, r0, r1, b0, b0 + width, bool)
         queries, keys = np.arange(r0, r1)[:, None], np.arange(b0, b0 + width)[None, :]
         np.testing.assert_array_equal(future, keys > queries + (m - n))
