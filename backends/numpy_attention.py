@@ -44,12 +44,13 @@ from attnx.attention import KEY_CHUNK, MIN_ROWS, choose_chunks
 MAX_ROWS = 256
 #: Scores below which threads cost more than they save (a single task).
 PARALLEL_SCORES = 2**16
-#: Slices per causal task from which its rows are attended in blocks of
-#: MIN_ROWS, each to the keys up to its own diagonal: less work (0.86-0.88x
-#: the time at (16, 8, 128, 128) and (64, 8, 128, 64) on two threads), in
-#: smaller products whose per-call costs fewer slices don't amortise (1.10x
-#: at (1, 8, 128, 64), 4 slices a task; 1.05x at n = 2048, 1 slice a task).
-SPLIT_SLICES = 16
+#: Slices times ``d_k`` per causal task from which its rows are attended in
+#: blocks of MIN_ROWS, each to the keys up to its own diagonal: less work,
+#: in smaller products whose per-call costs narrow tasks don't amortise.  On
+#: two threads, n = 128: 0.89x the time at (1, 8, 128, 128) (4 slices a task
+#: of d_k 128) and 0.92x at (2, 8, 128, 64) (8 of 64), but 1.02x at (1, 8,
+#: 128, 64) (4 of 64) and 1.07x at (1, 4, 128, 128) (2 of 128).
+SPLIT_WIDTH = 512
 #: Scores from which each thread gets two tasks or more.
 BALANCED_SCORES = 2**20
 #: The scores' range within which a task takes their exponentials unshifted
@@ -136,8 +137,8 @@ def scaled_dot_product_attention(
     # Values up to this, times sums of m exponentials up to exp(limit), stay finite.
     value_limit = float(np.finfo(dtype).max) / (m * math.exp(limit)) / 2
     # Causal tasks of many slices attend their rows in blocks of MIN_ROWS, each
-    # to the keys up to its own diagonal (see SPLIT_SLICES).
-    inner_rows = MIN_ROWS if is_causal and per_task >= SPLIT_SLICES else rows
+    # to the keys up to its own diagonal (see SPLIT_WIDTH).
+    inner_rows = MIN_ROWS if is_causal and per_task * query.shape[-1] >= SPLIT_WIDTH else rows
 
     def attend(task: tuple[int, int]) -> None:
         s0, r0 = task

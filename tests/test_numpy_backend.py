@@ -255,8 +255,8 @@ def test_small_plans_hold_no_arrays():
 
 
 @pytest.mark.parametrize("length", [None, 40.0], ids=["unshifted", "running-maximum"])
-def test_causal_tasks_of_many_slices_attend_their_rows_in_blocks(monkeypatch, length):
-    """Causal tasks of at least ``SPLIT_SLICES`` slices attend rows 0-63 and
+def test_wide_causal_tasks_attend_their_rows_in_blocks(monkeypatch, length):
+    """Causal tasks of ``SPLIT_WIDTH`` (slices times d_k) attend rows 0-63 and
     64-99 separately, each to the keys up to its own diagonal (m > n: the
     diagonal is shifted by m - n, and the keys take two blocks: m >
     KEY_CHUNK), with their exponentials unshifted or shifted."""
@@ -264,9 +264,9 @@ def test_causal_tasks_of_many_slices_attend_their_rows_in_blocks(monkeypatch, le
 
     rng = np.random.default_rng(2)
     n, m = 100, 4100
-    q = rng.standard_normal((16, 1, n, 16)).astype(np.float32)
-    k, v = (rng.standard_normal((16, 1, m, 16)).astype(np.float32) for _ in range(2))
-    if length is not None:  # scores up to 40 * 40 / 4: the running maximum's path
+    q, k = (rng.standard_normal((16, 1, count, 32)).astype(np.float32) for count in (n, m))
+    v = rng.standard_normal((16, 1, m, 16)).astype(np.float32)
+    if length is not None:  # scores up to 40 * 40 / sqrt(32): the running maximum's path
         q *= length / np.linalg.norm(q, axis=-1, keepdims=True)
         k *= length / np.linalg.norm(k, axis=-1, keepdims=True)
     # One thread, and a budget for 16 slices a task: tasks aren't split for threads.
@@ -282,7 +282,7 @@ def test_causal_tasks_of_many_slices_attend_their_rows_in_blocks(monkeypatch, le
     with attnx.memory_budget(64 * 2**20):
         got = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert {rows for slices, rows in blocks} == {64, 36}, blocks
-    assert min(slices for slices, _ in blocks) >= numpy_attention.SPLIT_SLICES
+    assert min(slices for slices, _ in blocks) * 32 >= numpy_attention.SPLIT_WIDTH
     expected = _reference(q, k, v, is_causal=True)
     tolerance = TOLERANCE["float32"] if length is None else {"rtol": 1e-3, "atol": 1e-4}
     np.testing.assert_allclose(got, expected, **tolerance)
