@@ -143,8 +143,6 @@ def scaled_dot_product_attention(
     def attend(task: tuple[int, int]) -> None:
         s0, r0 = task
         s1, r1 = min(slices, s0 + per_task), min(n, r0 + rows)
-        # ``<=`` is False for NaN: values with NaN or inf take the maximum's path.
-        unshifted_limit = limit if _within(v[s0:s1], value_limit) else None
         scratch = _scratch(size, dtype)
         for b0 in range(r0, r1, inner_rows):
             b1 = min(r1, b0 + inner_rows)
@@ -159,7 +157,8 @@ def scaled_dot_product_attention(
                 n,
                 key_chunk,
                 scratch,
-                unshifted_limit,
+                limit,
+                value_limit,
             )
 
     # Causal tasks near the end of the sequence cost the most: start them
@@ -358,27 +357,33 @@ def _attend_block(
     n: int,
     key_chunk: int,
     buffer: Any,
-    limit: float | None,
+    limit: float,
+    value_limit: float,
 ) -> None:
     """Attention of the queries ``r0:r0 + rows`` (``query``: ``(slices, rows,
     d_k)``, to be multiplied by ``scale``, or scaled already where it is None)
     to every key they may see, written into ``output``; ``buffer`` (flat, at
     least ``slices * rows * key_chunk``) holds the scores.  The online
-    softmax, its rows unshifted while the scores stay within ``±limit`` (None:
-    never; see the module's docstring) and shifted by their running maximum
-    from the first block that does not."""
+    softmax, its rows unshifted while the scores stay within ``±limit`` and
+    the values within ``±value_limit`` (see the module's docstring), and
+    shifted by their running maximum from the first block beyond."""
     rows, m = query.shape[1], key_t.shape[-1]
     if scale is not None:  # (slices, rows, d_k): small, unlike the scores
         query = query * scale
     # With a causal mask, keys past r1 + (m - n) are in every row's future.
     stop = min(m, r0 + rows + m - n) if is_causal else m
-    shift = total = None  # shift None: the rows are unshifted (by 0) so far
+    shift = total = values_fit = None  # shift None: the rows are unshifted (by 0) so far
     for c0 in range(0, stop, key_chunk):
         c1 = min(stop, c0 + key_chunk)
         scores = _products(query, key_t, buffer, c0, c1)
+        if values_fit is None:
+            # Checked after a product, not before: a short NumPy call first in
+            # a task hands the GIL to a thread just woken, and waits for it.
+            # ``<=`` is False for NaN: values with NaN or inf are shifted.
+            values_fit = _within(value, value_limit)
         # The future's scores count too: finite, they can be masked after
         # their exponentials, by a product.
-        unshifted = shift is None and limit is not None and _within(scores, limit)
+        unshifted = shift is None and values_fit and _within(scores, limit)
         if is_causal and not unshifted:
             _mask_future(scores, r0, n, m, c0, c1, exponentials=False)
         if not unshifted:

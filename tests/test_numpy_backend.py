@@ -48,6 +48,44 @@ def test_map_blocks_raises_the_blocks_error_and_gives_blas_its_threads_back():
     assert backend.map_blocks(work, range(3)) == [0, 1, 2]  # the pool still works
 
 
+def test_map_blocks_keeps_no_block_alive_after_the_call():
+    """The helper threads drop the function they ran (and the arrays its
+    closure holds) when the call returns."""
+    import gc
+    import weakref
+
+    backend = NumPyBackend()
+    backend.concurrent_blocks = 2
+    alive = []
+
+    def call():
+        arrays = [np.ones(3) for _ in range(4)]
+        alive.extend(weakref.ref(array) for array in arrays)
+        return backend.map_blocks(lambda i: float(arrays[i].sum()), range(4))
+
+    assert call() == [3.0] * 4
+    gc.collect()
+    assert all(ref() is None for ref in alive)
+
+
+def test_map_blocks_from_two_threads_at_once():
+    """A call while another holds the helper threads runs its blocks on its
+    own thread, and both get their own results."""
+    backend = NumPyBackend()
+    backend.concurrent_blocks = 2
+    results = {}
+
+    def call(offset):
+        results[offset] = backend.map_blocks(lambda i: time.sleep(0.001) or i + offset, range(20))
+
+    callers = [threading.Thread(target=call, args=(offset,)) for offset in (0, 100, 200)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert results == {offset: [i + offset for i in range(20)] for offset in (0, 100, 200)}
+
+
 def test_map_blocks_inside_a_worker_runs_inline():
     backend = NumPyBackend()
     backend.concurrent_blocks = 2
