@@ -12,15 +12,19 @@ queries; each task walks the keys in blocks of ``key_chunk`` with the online
 softmax (a running maximum and sum), so its scores never exceed one block.
 
 Softmax does not change when a row is shifted by any constant; the shift
-(each row's running maximum) is there only to keep the exponentials finite.
-Where a block's scores lie within ``±``:data:`EXP_LIMIT` (checked by their
-minimum and maximum over the whole block, two passes cheaper than one for
-the rows' maxima) and the values are small enough that sums of exponentials
-up to ``exp(EXP_LIMIT)`` times them cannot overflow, a task takes the
-exponentials of the scores as they are: no pass for the maximum, none to
-subtract it, and no rescaling from one key block to the next.  A block out
-of that range (or NaN) turns the running maximum on from there, its rows
-shifted by 0 so far.
+(each row's running maximum) is there only to keep the exponentials and
+their sums finite and normal.  So every task first takes the exponentials
+of its scores as they are: no pass for the maximum, none to subtract it,
+no rescaling from one key block to the next, and on the causal diagonal the
+exponentials are masked by a product.  The rows' sums of weights then tell
+whether that was exact (:func:`_exact_unshifted`): each a normal number (so
+is the row's largest weight) and small enough that no sum in the products
+with the values can have overflowed (an exponential that overflowed makes
+its row's sum inf or NaN).  The tasks where it was not run again, shifted
+by the rows' running maxima.  The checks run after the tasks, on the
+calling thread: short NumPy calls inside a task hand the GIL to the other
+threads and wait to have it back, and cost more than their work (four
+such checks a task took 63 us of a (1, 8, 128, 64) call's 492 us).
 """
 
 from __future__ import annotations
@@ -53,12 +57,6 @@ PARALLEL_SCORES = 2**16
 SPLIT_WIDTH = 512
 #: Scores from which each thread gets two tasks or more.
 BALANCED_SCORES = 2**20
-#: The scores' range within which a task takes their exponentials unshifted
-#: (see the module's docstring): ``exp(±EXP_LIMIT)`` stays a normal number
-#: (float32 from e^-87 to e^88, float64 from e^-708 to e^709) with room for
-#: sums of many.  The rounding of the exponentials is that of the scores,
-#: as with any shift.
-EXP_LIMIT = {"f": 32.0, "d": 256.0}
 
 
 def plan(
@@ -133,15 +131,23 @@ def scaled_dot_product_attention(
         (rows, key_chunk), per_task = chunks, 1
     key_t = k.transpose(0, 2, 1)  # a view: BLAS reads it transposed
     size = per_task * rows * key_chunk
-    limit = EXP_LIMIT[dtype.char]
-    # Values up to this, times sums of m exponentials up to exp(limit), stay finite.
-    value_limit = float(np.finfo(dtype).max) / (m * math.exp(limit)) / 2
+    # Each row's sum of weights: the tasks' normalisers, and the test of
+    # whether their exponentials could be taken unshifted.
+    totals = np.empty((slices, n, 1), dtype=dtype)
     # Causal tasks of many slices attend their rows in blocks of MIN_ROWS, each
     # to the keys up to its own diagonal (see SPLIT_WIDTH).
     inner_rows = MIN_ROWS if is_causal and per_task * query.shape[-1] >= SPLIT_WIDTH else rows
 
-    def attend(task: tuple[int, int]) -> None:
-        s0, r0 = task
+    def attend(task: tuple[int, int, bool]) -> None:
+        s0, r0, shifted = task
+        if not shifted:
+            # Overflow and its NaN are expected there, and caught by the
+            # sums: the user hears of them only from the shifted run.
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+                return attend_rows(s0, r0, shifted)
+        return attend_rows(s0, r0, shifted)
+
+    def attend_rows(s0: int, r0: int, shifted: bool) -> None:
         s1, r1 = min(slices, s0 + per_task), min(n, r0 + rows)
         scratch = _scratch(size, dtype)
         for b0 in range(r0, r1, inner_rows):
@@ -151,23 +157,35 @@ def scaled_dot_product_attention(
                 key_t[s0:s1],
                 v[s0:s1],
                 output[s0:s1, b0:b1],
+                totals[s0:s1, b0:b1],
                 block_scale,
                 is_causal,
                 b0,
                 n,
                 key_chunk,
                 scratch,
-                limit,
-                value_limit,
+                shifted,
             )
+
+    def run(tasks: list[tuple[int, int, bool]]) -> None:
+        if len(tasks) == 1:
+            attend(tasks[0])
+        else:
+            backend.map_blocks(attend, tasks)
 
     # Causal tasks near the end of the sequence cost the most: start them
     # first, so that the last tasks to finish are short.
-    tasks = [(s0, r0) for r0 in reversed(range(0, n, rows)) for s0 in range(0, slices, per_task)]
-    if len(tasks) == 1:
-        attend(tasks[0])
-    else:
-        backend.map_blocks(attend, tasks)
+    tasks = [(s0, r0, False) for r0 in reversed(range(0, n, rows)) for s0 in range(0, slices, per_task)]
+    run(tasks)
+    values = _magnitude(v)
+    if not _exact_unshifted(totals, values, m):
+        run(
+            [
+                (s0, r0, True)
+                for s0, r0, _ in tasks
+                if not _exact_unshifted(totals[s0 : s0 + per_task, r0 : r0 + rows], values, m)
+            ]
+        )
     return output.reshape(*batch_shape, n, d_v)
 
 
@@ -266,7 +284,7 @@ def _attend_small(query: Any, key: Any, value: Any, scale: Any, is_causal: bool)
     return output
 
 
-def _row_sums(weights: Any) -> Any:
+def _row_sums(weights: Any, out: Any = None) -> Any:
     """``(..., rows, 1)``: the sums of the rows of ``weights``, as a product
     with a column of ones: BLAS sums (4, 128, 128) float32 in 5 us where
     ``sum(axis=-1)`` takes 25 us, to the accuracy of the product with the
@@ -279,16 +297,35 @@ def _row_sums(weights: Any) -> Any:
         if len(_ones) >= BANDS:
             _ones.clear()
         _ones[m, weights.dtype.char] = ones
-    return np.matmul(weights, ones)
+    return np.matmul(weights, ones, out=out)
 
 
 _ones: dict[tuple[int, str], Any] = {}
 
 
-def _within(array: Any, limit: float) -> bool:
-    """Whether every item of ``array`` lies within ``±limit`` (False for NaN):
-    two passes over the whole array, cheaper than one along its rows."""
-    return array.size == 0 or bool(-limit <= array.min() and array.max() <= limit)
+def _magnitude(array: Any) -> float:
+    """The largest ``|x|`` of ``array`` (0 if empty; NaN if it holds NaN)."""
+    if array.size == 0:
+        return 0.0
+    return float(np.maximum(-array.min(), array.max()))
+
+
+def _exact_unshifted(totals: Any, values: float, m: int) -> bool:
+    """Whether rows whose exponentials were taken unshifted, with sums of
+    weights ``totals`` over ``m`` keys, came out as exact as shifted ones.
+    Every sum is at least ``m * tiny * 256``: the row's largest weight is a
+    normal number, and the error of those that underflowed is at most
+    ``eps / 256`` of the sum.  Every sum times the values' magnitude
+    ``values`` is at most half the largest number: no sum in the products
+    with the values overflowed.  False where a sum is NaN or inf (an
+    exponential overflowed; on the causal diagonal, inf times the mask's 0)."""
+    if totals.size == 0:
+        return True
+    finfo = np.finfo(totals.dtype)
+    if not values <= float(finfo.max):  # inf or NaN values: shifted, as always
+        return False
+    low, high = float(finfo.tiny) * m * 256, float(finfo.max) / 2 / max(values, 1.0)
+    return bool(low <= totals.min() and totals.max() <= high)
 
 
 def _products(query: Any, key_t: Any, buffer: Any, c0: int, c1: int) -> Any:
@@ -300,8 +337,9 @@ def _products(query: Any, key_t: Any, buffer: Any, c0: int, c1: int) -> Any:
 def _mask_future(scores: Any, r0: int, n: int, m: int, c0: int, c1: int, exponentials: bool) -> None:
     """Mask the keys ``c0:c1`` in the future of the queries ``r0:r0 + rows``
     on the band where the causal diagonal crosses them: scores are set to
-    ``-inf``; the exponentials of finite scores (``exponentials``) are
-    multiplied by 0 there, exactly the same and a third of the time (8 us
+    ``-inf``; their exponentials (``exponentials``) are multiplied by 0
+    there: the same where they are finite (an inf becomes NaN, which its
+    row's sum carries to :func:`_exact_unshifted`), in a third of the time (8 us
     against 27 us for (4, 128, 128) float32) where the band is the whole
     block.  A product on part of each row takes three times as long as on
     whole rows: the product takes whole rows where the band would be a
@@ -351,61 +389,53 @@ def _attend_block(
     key_t: Any,
     value: Any,
     output: Any,
+    totals: Any,
     scale: Any,
     is_causal: bool,
     r0: int,
     n: int,
     key_chunk: int,
     buffer: Any,
-    limit: float,
-    value_limit: float,
+    shifted: bool,
 ) -> None:
     """Attention of the queries ``r0:r0 + rows`` (``query``: ``(slices, rows,
     d_k)``, to be multiplied by ``scale``, or scaled already where it is None)
-    to every key they may see, written into ``output``; ``buffer`` (flat, at
+    to every key they may see, written into ``output``, and each row's sum of
+    weights into ``totals`` (``(slices, rows, 1)``); ``buffer`` (flat, at
     least ``slices * rows * key_chunk``) holds the scores.  The online
-    softmax, its rows unshifted while the scores stay within ``±limit`` and
-    the values within ``±value_limit`` (see the module's docstring), and
-    shifted by their running maximum from the first block beyond."""
+    softmax, its rows ``shifted`` by their running maximum or not at all (see
+    the module's docstring)."""
     rows, m = query.shape[1], key_t.shape[-1]
     if scale is not None:  # (slices, rows, d_k): small, unlike the scores
         query = query * scale
     # With a causal mask, keys past r1 + (m - n) are in every row's future.
     stop = min(m, r0 + rows + m - n) if is_causal else m
-    shift = total = values_fit = None  # shift None: the rows are unshifted (by 0) so far
+    shift = None
     for c0 in range(0, stop, key_chunk):
         c1 = min(stop, c0 + key_chunk)
         scores = _products(query, key_t, buffer, c0, c1)
-        if values_fit is None:
-            # Checked after a product, not before: a short NumPy call first in
-            # a task hands the GIL to a thread just woken, and waits for it.
-            # ``<=`` is False for NaN: values with NaN or inf are shifted.
-            values_fit = _within(value, value_limit)
-        # The future's scores count too: finite, they can be masked after
-        # their exponentials, by a product.
-        unshifted = shift is None and values_fit and _within(scores, limit)
-        if is_causal and not unshifted:
-            _mask_future(scores, r0, n, m, c0, c1, exponentials=False)
-        if not unshifted:
+        if shifted:
+            if is_causal:
+                _mask_future(scores, r0, n, m, c0, c1, exponentials=False)
             block_max = scores.max(axis=-1, keepdims=True)
-            if total is None:
+            if shift is None:
                 # The first block holds key 0, which every row may attend: its
                 # maximum is finite (causal rows with no key at all were declined).
                 shift = block_max
             else:
-                previous = 0.0 if shift is None else shift
-                shift = np.maximum(previous, block_max)
-                correction = np.exp(previous - shift)
-                total *= correction
+                new_shift = np.maximum(shift, block_max)
+                correction = np.exp(shift - new_shift)
+                totals *= correction
                 output *= correction
+                shift = new_shift
             scores -= shift
         np.exp(scores, out=scores)
-        if is_causal and unshifted:
+        if is_causal and not shifted:
             _mask_future(scores, r0, n, m, c0, c1, exponentials=True)
-        if total is None:
-            total = _row_sums(scores)
+        if c0 == 0:
+            _row_sums(scores, out=totals)
             np.matmul(scores, value[:, c0:c1], out=output)
         else:
-            total += _row_sums(scores)
+            totals += _row_sums(scores)
             output += scores @ value[:, c0:c1]
-    output /= total
+    output /= totals
