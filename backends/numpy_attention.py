@@ -300,6 +300,7 @@ def _row_sums(weights: Any, out: Any = None) -> Any:
     return np.matmul(weights, ones, out=out)
 
 
+#: Read-only columns of ones by length and dtype (at most BANDS, as the bands).
 _ones: dict[tuple[int, str], Any] = {}
 
 
