@@ -16,12 +16,14 @@ Softmax does not change when a row is shifted by any constant; the shift
 their sums finite and normal.  So every task first takes the exponentials
 of its scores as they are: no pass for the maximum, none to subtract it,
 no rescaling from one key block to the next, and on the causal diagonal the
-exponentials are masked by a product.  The rows' sums of weights then tell
-whether that was exact (:func:`_exact_unshifted`): each a normal number (so
-is the row's largest weight) and small enough that no sum in the products
-with the values can have overflowed (an exponential that overflowed makes
-its row's sum inf or NaN).  The tasks where it was not run again, shifted
-by the rows' running maxima.  The checks run after the tasks, on the
+exponentials are masked by a product.  The rows' sums of weights and the
+outputs then tell whether that was exact (:func:`_exact_unshifted`): every
+sum finite and no smaller than the square root of the smallest normal
+number, so that nothing the shifted run keeps underflows; every output
+finite, so that nothing overflowed (an exponential that overflowed makes
+its row's sum inf or NaN, a product with the values that overflowed its
+output).  The tasks where it was not run again, shifted by the rows'
+running maxima.  The checks run after the tasks, on the
 calling thread: short NumPy calls inside a task hand the GIL to the other
 threads and wait to have it back, and cost more than their work (four
 such checks a task took 63 us of a (1, 8, 128, 64) call's 492 us).
@@ -177,13 +179,14 @@ def scaled_dot_product_attention(
     # first, so that the last tasks to finish are short.
     tasks = [(s0, r0, False) for r0 in reversed(range(0, n, rows)) for s0 in range(0, slices, per_task)]
     run(tasks)
-    values = _magnitude(v)
-    if not _exact_unshifted(totals, values, m):
+    if not _exact_unshifted(totals, output, m):
         run(
             [
                 (s0, r0, True)
                 for s0, r0, _ in tasks
-                if not _exact_unshifted(totals[s0 : s0 + per_task, r0 : r0 + rows], values, m)
+                if not _exact_unshifted(
+                    totals[s0 : s0 + per_task, r0 : r0 + rows], output[s0 : s0 + per_task, r0 : r0 + rows], m
+                )
             ]
         )
     return output.reshape(*batch_shape, n, d_v)
@@ -304,29 +307,28 @@ def _row_sums(weights: Any, out: Any = None) -> Any:
 _ones: dict[tuple[int, str], Any] = {}
 
 
-def _magnitude(array: Any) -> float:
-    """The largest ``|x|`` of ``array`` (0 if empty; NaN if it holds NaN)."""
-    if array.size == 0:
-        return 0.0
-    return float(np.maximum(-array.min(), array.max()))
+def _exact_unshifted(totals: Any, output: Any, m: int) -> bool:
+    """Whether rows attended with their exponentials unshifted, with sums of
+    weights ``totals`` (``(..., rows, 1)``) over ``m`` keys and outputs
+    ``output`` (``(..., rows, d_v)``), came out as exact as shifted ones.
 
-
-def _exact_unshifted(totals: Any, values: float, m: int) -> bool:
-    """Whether rows whose exponentials were taken unshifted, with sums of
-    weights ``totals`` over ``m`` keys, came out as exact as shifted ones.
-    Every sum is at least ``m * tiny * 256``: the row's largest weight is a
-    normal number, and the error of those that underflowed is at most
-    ``eps / 256`` of the sum.  Every sum times the values' magnitude
-    ``values`` is at most half the largest number: no sum in the products
-    with the values overflowed.  False where a sum is NaN or inf (an
-    exponential overflowed; on the causal diagonal, inf times the mask's 0)."""
+    Every sum is finite (an exponential that overflowed makes it inf, or NaN
+    on the causal diagonal, inf times the mask's 0) and at least ``m *
+    sqrt(tiny)``: the row's largest weight is then at least ``sqrt(tiny)``,
+    so the weights lost to underflow weigh at most ``sqrt(tiny)`` of it, and
+    a product with the values loses to subnormal numbers at most ``m *
+    denormal / sum``, some 2**-87 (float32) of the output's units.  Every
+    output is finite: a sum in the products with the values that overflowed
+    made it inf or NaN (as do values that hold inf or NaN, which the shifted
+    run gives back as they are).  Read by reductions, not BLAS: after the
+    tasks BLAS has its threads back, and waking them costs more than this."""
     if totals.size == 0:
         return True
     finfo = np.finfo(totals.dtype)
-    if not values <= float(finfo.max):  # inf or NaN values: shifted, as always
+    low, high = math.sqrt(float(finfo.tiny)) * m, float(finfo.max)
+    if not (low <= totals.min() and totals.max() <= high):
         return False
-    low, high = float(finfo.tiny) * m * 256, float(finfo.max) / 2 / max(values, 1.0)
-    return bool(low <= totals.min() and totals.max() <= high)
+    return output.size == 0 or bool(-high <= output.min() and output.max() <= high)  # d_v may be 0
 
 
 def _products(query: Any, key_t: Any, buffer: Any, c0: int, c1: int) -> Any:

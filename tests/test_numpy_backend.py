@@ -207,12 +207,32 @@ def test_native_shifts_rows_whose_values_would_overflow_unshifted(dtype):
     rng = np.random.default_rng(2)
     n, d = 128, 64
     q = np.full((1, 2, n, d), 2**-0.5, dtype=dtype)  # scores 64 / 2 / sqrt(64) = 4
-    large = {"float32": 1e36, "float64": 1e300}[dtype]
+    large = {"float32": 1e36, "float64": 1e305}[dtype]
     v = (large * rng.uniform(1, 2, (1, 2, n, d))).astype(dtype)
     got = attnx.scaled_dot_product_attention(q, q, v, chunk_size=(64, 128))
     expected = np.broadcast_to(v.astype(np.float64).mean(axis=-2, keepdims=True), v.shape)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_native_shifts_rows_whose_weights_would_make_small_values_subnormal(dtype):
+    """Scores near the logarithm of the smallest normal number (about -80 in
+    float32, -700 in float64) and small values (1e-6 in float32, 1e-12 in
+    float64): unshifted, every weight is near the smallest normal, and its
+    products with the values subnormal, with few digits left; shifted by
+    their maximum (weights near 1) they are exact."""
+    rng = np.random.default_rng(3)
+    n, d = 128, 64
+    level = {"float32": -80.0, "float64": -700.0}[dtype]
+    q = np.full((1, 2, n, d), 1.0, dtype=dtype)
+    k = np.full((1, 2, n, d), level / d**0.5, dtype=dtype)  # scores q.k / sqrt(d) = level
+    k += rng.uniform(0, 0.5 / d**0.5, k.shape).astype(dtype)  # unequal weights
+    small = {"float32": 1e-6, "float64": 1e-12}[dtype]
+    v = (small * rng.standard_normal((1, 2, n, d))).astype(dtype)
+    got = attnx.scaled_dot_product_attention(q, k, v, chunk_size=(64, 128))
+    tolerance = TOLERANCE[dtype]
+    np.testing.assert_allclose(got, _reference(q, k, v), rtol=tolerance["rtol"], atol=small * tolerance["atol"])
 
 
 TOLERANCE = {"float32": {"rtol": 2e-5, "atol": 2e-6}, "float64": {"rtol": 1e-10, "atol": 1e-12}}
