@@ -320,8 +320,8 @@ def _exact_unshifted(totals: Any, output: Any, m: int) -> bool:
     denormal / sum``, some 2**-87 (float32) of the output's units.  Every
     output is finite: a sum in the products with the values that overflowed
     made it inf or NaN (as do values that hold inf or NaN, which the shifted
-    run gives back as they are).  Read by reductions, not BLAS: after the
-    tasks BLAS has its threads back, and waking them costs more than this."""
+    run gives back as they are).  Read by their minimum and maximum, not a
+    sum: a sum of finite outputs may overflow, and would run them again."""
     if totals.size == 0:
         return True
     finfo = np.finfo(totals.dtype)
