@@ -19,8 +19,8 @@ no rescaling from one key block to the next, and on the causal diagonal the
 exponentials are masked by a product.  The rows' sums of weights and the
 outputs then tell whether that was exact (:func:`_exact_unshifted`): every
 sum finite and no smaller than the square root of the smallest normal
-number, so that nothing the shifted run keeps underflows; every output
-finite, so that nothing overflowed (an exponential that overflowed makes
+number, so that what underflows weighs nothing beside the row's largest
+weight; every output finite, so that nothing overflowed (an exponential that overflowed makes
 its row's sum inf or NaN, a product with the values that overflowed its
 output).  The tasks where it was not run again, shifted by the rows'
 running maxima.  The checks run after the tasks, on the
