@@ -20,13 +20,14 @@ exponentials are masked by a product.  The rows' sums of weights and the
 outputs then tell whether that was exact (:func:`_exact_unshifted`): every
 sum finite and no smaller than the square root of the smallest normal
 number, so that what underflows weighs nothing beside the row's largest
-weight; every output finite, so that nothing overflowed (an exponential that overflowed makes
-its row's sum inf or NaN, a product with the values that overflowed its
-output).  The tasks where it was not run again, shifted by the rows'
-running maxima.  The checks run after the tasks, on the
-calling thread: short NumPy calls inside a task hand the GIL to the other
-threads and wait to have it back, and cost more than their work (four
-such checks a task took 63 us of a (1, 8, 128, 64) call's 492 us).
+weight; every output finite, so that nothing overflowed (an exponential
+that overflowed makes its row's sum inf or NaN; a product with the values
+that overflowed makes its output so).  The tasks where it was not run
+again, shifted by the rows' running maxima.  The checks run after the
+tasks, on the calling thread: short NumPy calls inside a task hand the GIL
+to the other threads and wait to have it back, and cost more than their
+work (four such checks a task took 63 us of a (1, 8, 128, 64) call's
+492 us; the fourteenth session's figures in bench/RESULTS.md say why).
 """
 
 from __future__ import annotations
