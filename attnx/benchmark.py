@@ -490,13 +490,16 @@ def _run_worker(case: Case, what: str, timeout: float) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure(case: Case, timeout: float = 900.0) -> Result:
+def measure(case: Case, timeout: float = 900.0, memory: bool = True) -> Result:
     """Measure ``case`` in fresh processes: one for the time, one for the
-    peak memory (on CUDA, where the counters need no allocator setting, one)."""
+    peak memory (on CUDA, where the counters need no allocator setting, one);
+    without ``memory``, the time alone."""
     on_gpu = (case.device or "").startswith("cuda")
     timing = _run_worker(case, "both" if on_gpu else "time", timeout)
     if timing.get("error"):
         return Result(case, error=timing["error"])
+    if not memory:
+        return Result(case, timing["median_s"], timing["times_s"])
     memory = timing if on_gpu else _run_worker(case, "memory", timeout)
     return Result(case, timing["median_s"], timing["times_s"], memory.get("peak_bytes"), memory.get("error"))
 
@@ -565,25 +568,59 @@ def _progress(total: int) -> Any:
         return None, None
 
 
-def sweep(cases: Sequence[Case]) -> list[Result]:
-    results = []
-    progress, task = _progress(len(cases))
+def _shape_key(case: Case) -> tuple[Any, ...]:
+    """What cases compared with each other share: the operation and its inputs."""
+    return (case.operation, case.n, case.batch, case.heads, case.head_dim, case.dtype)
+
+
+def sweep(cases: Sequence[Case], rounds: int = 1) -> list[Result]:
+    """Measure every case, each in fresh processes.
+
+    With ``rounds`` above 1, the cases of each shape are timed in turn, round
+    after round (A, B, A, B, ...), so that the machine's drift falls on every
+    implementation alike; a case's time is then the median of its rounds'
+    medians (``times_s`` holds every call), its peak memory that of the first
+    round, and an error in any round is the case's."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for index, case in enumerate(cases):
+        groups.setdefault(_shape_key(case), []).append(index)
+    measured: list[list[Result]] = [[] for _ in cases]
+    progress, task = _progress(len(cases) * rounds)
     if progress is not None:
         progress.start()
+    done = 0
     try:
-        for index, case in enumerate(cases, 1):
-            label = f"{case.operation} {case.label} n={case.n}"
-            if progress is not None:
-                progress.update(task, description=label)
-            else:
-                print(f"[{index}/{len(cases)}] {label}", file=sys.stderr)
-            results.append(measure(case))
-            if progress is not None:
-                progress.advance(task)
+        for indices in groups.values():
+            for round_number in range(rounds):
+                for index in indices:
+                    case = cases[index]
+                    done += 1
+                    label = f"{case.operation} {case.label} n={case.n}"
+                    if rounds > 1:
+                        label += f" (round {round_number + 1}/{rounds})"
+                    if progress is not None:
+                        progress.update(task, description=label)
+                    else:
+                        print(f"[{done}/{len(cases) * rounds}] {label}", file=sys.stderr)
+                    if not any(r.error is not None for r in measured[index]):  # a failed case fails again
+                        measured[index].append(measure(case, memory=round_number == 0))
+                    if progress is not None:
+                        progress.advance(task)
     finally:
         if progress is not None:
             progress.stop()
-    return results
+    return [_combine(case_rounds) for case_rounds in measured if case_rounds]
+
+
+def _combine(rounds: Sequence[Result]) -> Result:
+    """One result from a case's rounds (see :func:`sweep`)."""
+    first = rounds[0]
+    error = next((r.error for r in rounds if r.error is not None), None)
+    if error is not None or len(rounds) == 1:
+        return replace(first, error=error) if error is not None else first
+    median = statistics.median(r.median_s for r in rounds if r.median_s is not None)
+    times = [t for r in rounds for t in r.times_s]
+    return Result(first.case, median, times, first.peak_bytes)
 
 
 def ratios(results: Sequence[Result]) -> dict[int, float | None]:
@@ -681,7 +718,7 @@ def _markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> li
     ]
 
 
-def markdown(results: Sequence[Result], command: str, grid: bool = False) -> str:
+def markdown(results: Sequence[Result], command: str, grid: bool = False, rounds: int = 1) -> str:
     lines = _markdown_table(HEADERS, table_rows(results))
     exponents = []
     for (operation, implementation), points in _series(results).items():
@@ -712,7 +749,14 @@ def markdown(results: Sequence[Result], command: str, grid: bool = False) -> str
             "",
             f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
             "each row measured in its own process (one array library per process, so OpenBLAS's idle "
-            "threads cannot slow PyTorch); times are medians of at least `--repeat` calls and 0.25 s, after one warm-up call; FLOPs = "
+            "threads cannot slow PyTorch); times are medians of at least `--repeat` calls and 0.25 s, after one warm-up call"
+            + (
+                f" (each row's time the median of its {rounds} rounds, in which the implementations of a shape "
+                "took turns, each in a fresh process)"
+                if rounds > 1
+                else ""
+            )
+            + "; FLOPs = "
             "4·B·H·n²·d (halved when causal); peak extra memory = the process's high-water mark during "
             "one call minus its resident memory before it.",
             "",

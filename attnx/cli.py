@@ -227,12 +227,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dask_workers=args.dask_workers or (),
         window=args.window,
     )
-    results = benchmark.sweep(cases)
+    results = benchmark.sweep(cases, rounds=args.rounds)
     benchmark.print_table(results, grid=args.grid)
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     command = "attnx bench " + " ".join(args.argv)
-    (folder / "results.md").write_text(benchmark.markdown(results, command.strip(), grid=args.grid))
+    (folder / "results.md").write_text(benchmark.markdown(results, command.strip(), grid=args.grid, rounds=args.rounds))
     (folder / "results.json").write_text(
         json.dumps(
             [
@@ -348,6 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--dtype", default="float32", choices=BENCH_DTYPES, help="float dtype of the inputs")
     bench.add_argument("--repeat", type=_positive_int, default=5, help="timed calls per case, after one warm-up")
+    bench.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=1,
+        help="time the implementations of each shape in turn this many times (A, B, A, B, ...) and "
+        "report each one's median round, so that the machine's drift falls on all alike",
+    )
     bench.add_argument(
         "--threads", type=_positive_int, default=None, help="limit BLAS/PyTorch threads; default: all cores"
     )

@@ -59,6 +59,50 @@ def test_ratio_is_against_the_fastest_baseline_of_the_same_size():
     assert ratios(results) == {0: 2.0, 1: 2.0 / 1.5, 2: 1.0, 3: None}
 
 
+def test_rounds_take_turns_by_shape_and_report_the_median_round(monkeypatch):
+    from attnx import benchmark
+
+    cases = [
+        Case(implementation, "sdpa", 1, 1, n, 8) for n in (16, 32) for implementation in ("attnx:numpy", "torch-sdpa")
+    ]
+    seconds = iter([5.0, 1.0, 7.0, 2.0, 6.0, 3.0, 4.0, 4.0, 8.0, 8.0, 1.0, 1.0])
+    calls = []
+
+    def measure(case, memory=True):
+        calls.append((case.implementation, case.n, memory))
+        median = next(seconds)
+        return Result(case, median, [median], peak_bytes=100 if memory else None)
+
+    monkeypatch.setattr(benchmark, "measure", measure)
+    results = benchmark.sweep(cases, rounds=3)
+    turns = [(implementation, n) for implementation, n, _ in calls]
+    assert turns == 3 * [("attnx:numpy", 16), ("torch-sdpa", 16)] + 3 * [("attnx:numpy", 32), ("torch-sdpa", 32)]
+    assert [memory for *_, memory in calls] == 2 * [True, True, False, False, False, False]
+    assert [r.case for r in results] == cases
+    assert [r.median_s for r in results] == [6.0, 2.0, 4.0, 4.0]  # medians of (5, 7, 6), (1, 2, 3), ...
+    assert results[0].times_s == [5.0, 7.0, 6.0] and results[0].peak_bytes == 100
+    assert ratios(results) == {0: 3.0, 1: 1.0, 2: 1.0, 3: 1.0}
+
+
+def test_a_case_that_fails_is_not_run_again_and_reports_its_error(monkeypatch):
+    from attnx import benchmark
+
+    cases = [Case("attnx:numpy", "sdpa", 1, 1, 16, 8), Case("torch-sdpa", "sdpa", 1, 1, 16, 8)]
+    calls = []
+
+    def measure(case, memory=True):
+        calls.append(case.implementation)
+        if case.implementation == "torch-sdpa":
+            return Result(case, error="ImportError: no torch")
+        return Result(case, 1.0, [1.0], 100 if memory else None)
+
+    monkeypatch.setattr(benchmark, "measure", measure)
+    results = benchmark.sweep(cases, rounds=3)
+    assert calls == ["attnx:numpy", "torch-sdpa", "attnx:numpy", "attnx:numpy"]
+    assert results[1].error == "ImportError: no torch" and results[1].median_s is None
+    assert results[0].median_s == 1.0 and results[0].error is None
+
+
 def test_fit_exponent_recovers_a_power_law():
     sizes = [128, 256, 512, 1024]
     assert abs(fit_exponent(sizes, [3e-9 * n**2 for n in sizes]) - 2.0) < 1e-9

@@ -17,6 +17,7 @@ MISTAKES = [
     ["bench", "--backends", "cupy"],
     ["bench", "--dtype", "bfloat16"],  # NumPy has no bfloat16
     ["bench", "--heads", "0"],
+    ["bench", "--rounds", "0"],
     ["bench", "--device", "cuda:7"],
     ["conformance", "nmpy"],
     ["conformance", "cupy"],
@@ -33,7 +34,7 @@ def test_a_mistake_is_one_line_on_stderr_and_exit_2(argv, capsys, monkeypatch, t
         pytest.skip("cupy is available here")
     monkeypatch.chdir(tmp_path)
     started = []
-    monkeypatch.setattr(benchmark, "sweep", lambda cases: started.append(cases) or [])
+    monkeypatch.setattr(benchmark, "sweep", lambda cases, **options: started.append(cases) or [])
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2
