@@ -500,8 +500,8 @@ def measure(case: Case, timeout: float = 900.0, memory: bool = True) -> Result:
         return Result(case, error=timing["error"])
     if not memory:
         return Result(case, timing["median_s"], timing["times_s"])
-    memory = timing if on_gpu else _run_worker(case, "memory", timeout)
-    return Result(case, timing["median_s"], timing["times_s"], memory.get("peak_bytes"), memory.get("error"))
+    peak = timing if on_gpu else _run_worker(case, "memory", timeout)
+    return Result(case, timing["median_s"], timing["times_s"], peak.get("peak_bytes"), peak.get("error"))
 
 
 # -- the sweep and its report -----------------------------------------------------
@@ -569,7 +569,8 @@ def _progress(total: int) -> Any:
 
 
 def _shape_key(case: Case) -> tuple[Any, ...]:
-    """What cases compared with each other share: the operation and its inputs."""
+    """What cases compared with each other share: the operation and its inputs
+    (the rounds of :func:`sweep` and the baselines of :func:`ratios`)."""
     return (case.operation, case.n, case.batch, case.heads, case.head_dim, case.dtype)
 
 
@@ -609,7 +610,7 @@ def sweep(cases: Sequence[Case], rounds: int = 1) -> list[Result]:
     finally:
         if progress is not None:
             progress.stop()
-    return [_combine(case_rounds) for case_rounds in measured if case_rounds]
+    return [_combine(case_rounds) for case_rounds in measured]
 
 
 def _combine(rounds: Sequence[Result]) -> Result:
@@ -629,11 +630,11 @@ def ratios(results: Sequence[Result]) -> dict[int, float | None]:
     fastest: dict[tuple, float] = {}
     for r in results:
         if r.case.implementation in BASELINES and r.median_s:
-            key = (r.case.operation, r.case.n, r.case.batch, r.case.heads, r.case.head_dim, r.case.dtype)
+            key = _shape_key(r.case)
             fastest[key] = min(fastest.get(key, math.inf), r.median_s)
     out = {}
     for index, r in enumerate(results):
-        key = (r.case.operation, r.case.n, r.case.batch, r.case.heads, r.case.head_dim, r.case.dtype)
+        key = _shape_key(r.case)
         out[index] = r.median_s / fastest[key] if r.median_s and key in fastest else None
     return out
 
