@@ -617,9 +617,11 @@ def _combine(rounds: Sequence[Result]) -> Result:
     """One result from a case's rounds (see :func:`sweep`)."""
     first = rounds[0]
     error = next((r.error for r in rounds if r.error is not None), None)
-    if error is not None or len(rounds) == 1:
-        return replace(first, error=error) if error is not None else first
-    median = statistics.median(r.median_s for r in rounds if r.median_s is not None)
+    if error is not None:
+        return replace(first, error=error)
+    if len(rounds) == 1:
+        return first
+    median = statistics.median(r.median_s for r in rounds)  # set wherever no round failed
     times = [t for r in rounds for t in r.times_s]
     return Result(first.case, median, times, first.peak_bytes)
 
