@@ -124,9 +124,18 @@ def scaled_dot_product_attention(
     # Queries within a thread's share of the budget are scaled once, here: a
     # task that begins with a short NumPy call hands the GIL to a worker just
     # woken, and waits some 40 us to have it back (on this project's VMs).
-    # Larger ones are scaled by each task, a block at a time.
-    block_scale = None if query.nbytes <= budget // threads else scale
-    q = _as_slices(query * scale if block_scale is None else query, batch_shape, slices)
+    # They go into a buffer kept between calls: freed with the output, a
+    # fresh one leaves enough free at the top of glibc's heap for it to be
+    # given back to the system, and the next call's page faults took some
+    # 250 us of a (1, 8, 128, 128) call of 1 ms.  Larger queries are scaled
+    # by each task, a block at a time.
+    d_k = query.shape[-1]
+    block_scale = None if slices * n * d_k * dtype.itemsize <= budget // threads else scale
+    if block_scale is None:
+        scaled = _scratch(slices * n * d_k, dtype, "queries").reshape(*batch_shape, n, d_k)
+        q = np.multiply(query, scale, out=scaled).reshape(slices, n, d_k)
+    else:
+        q = _as_slices(query, batch_shape, slices)
     k, v = _as_slices(key, batch_shape, slices), _as_slices(value, batch_shape, slices)
     output = np.empty((slices, n, d_v), dtype=dtype)
     per_task, rows, key_chunk = plan(slices, n, m, dtype.itemsize, is_causal, threads, budget)
@@ -258,19 +267,22 @@ def call_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any] 
     return plan
 
 
-#: Each thread's scores buffer, kept between calls: a fresh buffer of blocks'
-#: size is a fresh mmap, whose page faults cost a third of a block's time
-#: and, taken by two threads at once, serialise them on the kernel's lock.
-#: At most the memory budget in all (each thread's share of it).
+#: Each thread's buffers, kept between calls: its scores, and on a calling
+#: thread the scaled queries.  A fresh buffer of blocks' size is a fresh
+#: mmap, whose page faults cost a third of a block's time and, taken by two
+#: threads at once, serialise them on the kernel's lock.  At most a thread's
+#: share of the memory budget each.
 _scratch_space = threading.local()
 
 
-def _scratch(size: int, dtype: Any) -> Any:
-    """A flat buffer of at least ``size`` items of ``dtype``, this thread's own."""
-    buffer = getattr(_scratch_space, "buffer", None)
+def _scratch(size: int, dtype: Any, name: str = "scores") -> Any:
+    """A flat buffer of at least ``size`` items of ``dtype``, this thread's
+    own ``name`` buffer."""
+    buffer = getattr(_scratch_space, name, None)
     nbytes = size * np.dtype(dtype).itemsize
     if buffer is None or buffer.nbytes < nbytes:
-        buffer = _scratch_space.buffer = np.empty(nbytes, dtype=np.uint8)
+        buffer = np.empty(nbytes, dtype=np.uint8)
+        setattr(_scratch_space, name, buffer)
     return buffer[:nbytes].view(dtype)
 
 
