@@ -63,3 +63,21 @@ def test_threads_share_the_budget():
         backend.concurrent_blocks = saved
     output = 4 * 8 * 2048 * 64 * 4
     assert peak - output <= 2 * attnx.get_memory_budget(), f"{(peak - output) / MiB:.1f} MiB beside the output"
+
+
+@pytest.mark.parametrize("query_heads", [8, 1], ids=["query-per-head", "query-broadcast"])
+def test_a_repeated_call_allocates_its_output_and_little_more(monkeypatch, query_heads):
+    """The scaled queries go into a buffer kept between calls, as the scores
+    do: a fresh one, freed with the output, let glibc give the top of its
+    heap back to the system, and every call page-faulted it in again.  One
+    thread, so that which thread's buffers exist does not depend on timing."""
+    monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 1)
+    gen = np.random.default_rng(2)
+    q = gen.standard_normal((1, query_heads, 128, 128), dtype=np.float32)
+    k, v = (gen.standard_normal((1, 8, 128, 128), dtype=np.float32) for _ in range(2))
+    peak, out = peak_bytes(lambda: attnx.scaled_dot_product_attention(q, k, v))
+    assert peak <= out.nbytes + 64 * 1024, f"{(peak - out.nbytes) / 1024:.0f} KiB beside the output"
+    scores = np.broadcast_to(q, k.shape).astype(np.float64) @ np.swapaxes(k, -1, -2).astype(np.float64) / np.sqrt(128)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = (weights / weights.sum(-1, keepdims=True)) @ v.astype(np.float64)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
