@@ -1,7 +1,8 @@
 """float64 NumPy references, written straight from the formulas.
 
-Deliberately independent of attnx: loops and explicit definitions, no code
-shared with the algorithms under test.
+Deliberately independent of attnx: each rule written out in plain NumPy
+(the causal rule, the key lengths, the softmax), no code shared with the
+algorithms under test.
 """
 
 from __future__ import annotations
@@ -26,20 +27,19 @@ def allowed_mask(
     ``lengths_per`` says how ``key_lengths`` is laid out: ``"batch"`` (one per
     first leading index), ``"sequence"`` (the leading shape) or ``"query"``.
     """
+    i, j = np.arange(n)[:, None], np.arange(m)[None, :]  # query i, key j
     allowed = np.ones((*batch_shape, n, m), dtype=bool)
-    for index in np.ndindex(*batch_shape, n, m):
-        *batch, i, j = index
-        if is_causal and j > i + (m - n):
-            allowed[index] = False
-        if key_lengths is not None:
-            if lengths_per == "batch":
-                length = key_lengths[batch[0]]
-            elif lengths_per == "query":
-                length = np.broadcast_to(key_lengths, (*batch_shape, n))[(*batch, i)]
-            else:
-                length = np.broadcast_to(key_lengths, batch_shape)[tuple(batch)]
-            if j >= length:
-                allowed[index] = False
+    if is_causal:
+        allowed &= j <= i + (m - n)  # the last query sees every key
+    if key_lengths is not None:
+        key_lengths = np.asarray(key_lengths)
+        if lengths_per == "batch":
+            length = key_lengths.reshape(-1, *(1,) * len(batch_shape[1:]), 1, 1)
+        elif lengths_per == "query":
+            length = np.broadcast_to(key_lengths, (*batch_shape, n))[..., None]
+        else:
+            length = np.broadcast_to(key_lengths, batch_shape)[..., None, None]
+        allowed &= j < length
     if mask is not None and mask.dtype == bool:
         allowed &= np.broadcast_to(mask, allowed.shape)
     return allowed
@@ -52,14 +52,12 @@ def softmax(scores: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray
     if allowed is None:
         allowed = np.ones(scores.shape, dtype=bool)
     allowed = np.broadcast_to(allowed, scores.shape) & (scores != -np.inf)
-    weights = np.zeros(scores.shape)
-    for index in np.ndindex(*scores.shape[:-1]):
-        keep = allowed[index]
-        if keep.any():
-            row = scores[index][keep]
-            exp = np.exp(row - row.max())
-            weights[index][keep] = exp / exp.sum()
-    return weights
+    # Each row shifted by the largest score it may attend (0 where it may attend none).
+    largest = np.max(np.where(allowed, scores, -np.inf), axis=-1, keepdims=True, initial=-np.inf)
+    shifted = np.where(allowed, scores - np.where(allowed.any(axis=-1, keepdims=True), largest, 0.0), -np.inf)
+    exponentials = np.exp(shifted)
+    total = exponentials.sum(axis=-1, keepdims=True)
+    return np.where(total > 0, exponentials / np.where(total > 0, total, 1.0), 0.0)
 
 
 def scaled_dot_product_attention(

@@ -10,18 +10,15 @@ import numpy as np
 import pytest
 
 import attnx
+from attnx_conformance import reference
 
 da = pytest.importorskip("dask.array")
 from dask.core import get_dependencies  # noqa: E402
 
 
 def _reference(query, key, value, is_causal=False):
-    scores = query @ np.swapaxes(key, -1, -2) / np.sqrt(query.shape[-1])
-    if is_causal:
-        n, m = scores.shape[-2:]
-        scores = np.where(np.arange(m)[None, :] <= np.arange(n)[:, None] + (m - n), scores, -np.inf)
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return (weights / weights.sum(axis=-1, keepdims=True)) @ value
+    allowed = reference.allowed_mask(query.shape[-2], key.shape[-2], is_causal=is_causal)
+    return reference.scaled_dot_product_attention(query, key, value, allowed=allowed)[0]
 
 
 def _inputs(shape_q, shape_k, d_v, seed=0):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import attnx
+from attnx_conformance import reference
 
 da = pytest.importorskip("dask.array")
 distributed = pytest.importorskip("distributed")
@@ -28,14 +29,11 @@ def client():
 
 
 def _reference(query, key, value, key_lengths=None):
-    scores = query @ np.swapaxes(key, -1, -2) / np.sqrt(query.shape[-1])
-    if key_lengths is not None:
-        allowed = np.arange(key.shape[-2]) < key_lengths[:, None, None, None]
-        scores = np.where(allowed, scores, -np.inf)
-    shift = np.max(scores, axis=-1, keepdims=True)
-    weights = np.exp(scores - np.where(np.isfinite(shift), shift, 0))
-    total = weights.sum(axis=-1, keepdims=True)
-    return (weights / np.where(total == 0, 1, total)) @ value
+    """The conformance kit's float64 attention; ``key_lengths`` one per batch entry."""
+    allowed = reference.allowed_mask(
+        query.shape[-2], key.shape[-2], batch_shape=query.shape[:-2], key_lengths=key_lengths, lengths_per="batch"
+    )
+    return reference.scaled_dot_product_attention(query, key, value, allowed=allowed)[0]
 
 
 def _lazy_inputs(shape, chunks, seed):

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import attnx
 from attnx_backends.numpy_backend import NumPyBackend
+from attnx_conformance import reference
 
 
 def test_map_blocks_keeps_order_and_uses_threads():
@@ -143,14 +144,10 @@ def test_read_only_arrays_are_never_updated_in_place():
 
 
 def _reference(q, k, v, is_causal=False):
-    """float64 softmax attention, straight from the formula (causal: query i
-    sees keys up to i + m - n, the last query every key)."""
-    scores = q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2) / np.sqrt(q.shape[-1])
-    if is_causal:
-        n, m = scores.shape[-2:]
-        scores = np.where(np.tril(np.ones((n, m), dtype=bool), k=m - n), scores, -np.inf)
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return (weights / weights.sum(axis=-1, keepdims=True)) @ v.astype(np.float64)
+    """The conformance kit's float64 attention (causal: query i sees keys up
+    to i + m - n, the last query every key)."""
+    allowed = reference.allowed_mask(q.shape[-2], k.shape[-2], is_causal=is_causal)
+    return reference.scaled_dot_product_attention(q, k, v, allowed=allowed)[0]
 
 
 @pytest.mark.filterwarnings("error")  # nothing of the unshifted run reaches the user
