@@ -117,17 +117,22 @@ def require_ndim(operation: str, name: str, array: Any, min_ndim: int, layout: s
         )
 
 
-_KINDS: dict[tuple[type, Any], str] = {}
+#: dtype type -> {dtype: kind}: one table per library.
+_KINDS: dict[type, dict[Any, str]] = {}
 
 
 def _kind(xp: Any, dtype: Any) -> str:
-    # Cached in a plain dict (torch.compile traces through it; an lru_cache it
-    # warns about), keyed with the dtype's type first, so dtypes of two
-    # libraries are never compared with each other (array-api-strict warns).
-    cache_key = (type(dtype), dtype)
-    kind = _KINDS.get(cache_key)
+    # Cached in plain dicts (torch.compile traces through them; an lru_cache
+    # it warns about), one per dtype type: dtypes of two libraries are never
+    # compared with each other (array-api-strict warns), and a traced lookup
+    # hashes only its own library's dtypes (PyTorch 2.11's compiler can't
+    # hash NumPy's, which a process that also ran NumPy would hold).
+    kinds = _KINDS.get(type(dtype))
+    if kinds is None:
+        kinds = _KINDS[type(dtype)] = {}
+    kind = kinds.get(dtype)
     if kind is None:
-        kind = _KINDS[cache_key] = _classify(xp, dtype)
+        kind = kinds[dtype] = _classify(xp, dtype)
     return kind
 
 

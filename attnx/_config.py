@@ -51,8 +51,9 @@ def use_backend(name: str) -> Iterator[Backend]:
         _context_backend.reset(token)
 
 
-#: Default memory budget for an attention's score matrix, in bytes.
-DEFAULT_MEMORY_BUDGET = 4 * 2**20
+#: Default memory budget for an attention's score matrix, in bytes, on the
+#: CPU backends (:attr:`attnx.Backend.block_bytes`: a GPU backend's is larger).
+DEFAULT_MEMORY_BUDGET = Backend.block_bytes
 _context_budget: ContextVar[int | None] = ContextVar("attnx_memory_budget", default=None)
 _process_budget: int | None = None
 
@@ -60,8 +61,10 @@ _process_budget: int | None = None
 def set_memory_budget(nbytes: int | None) -> None:
     """Set the process-wide memory budget for score matrices.
 
-    ``None`` restores the default, 4 MiB: past it the chunked algorithm is
-    also the faster one on CPUs (its blocks stay in cache).
+    ``None`` restores the default: each backend's
+    :attr:`~attnx.Backend.block_bytes`, 4 MiB on the CPU backends, past
+    which the chunked algorithm is also the faster one (its blocks stay in
+    cache), and 512 MiB on CuPy.
 
     Attention whose ``(..., n, m)`` scores would exceed it switches to the
     chunked, memory-efficient algorithm.
@@ -81,9 +84,23 @@ def memory_budget(nbytes: int) -> Iterator[None]:
 
 
 @run_at_trace_time
-def get_memory_budget() -> int:
-    """The memory budget in force, in bytes."""
-    return _context_budget.get() or _process_budget or DEFAULT_MEMORY_BUDGET
+def user_memory_budget() -> int | None:
+    """The memory budget the user set (:func:`memory_budget` block, else
+    :func:`set_memory_budget`), or None."""
+    return _context_budget.get() or _process_budget
+
+
+def get_memory_budget(backend: str | Backend | None = None) -> int:
+    """The memory budget in force, in bytes: the one set with
+    :func:`memory_budget` or :func:`set_memory_budget`, else the default of
+    ``backend`` (a name or a :class:`Backend`; the current backend when
+    None), its :attr:`~attnx.Backend.block_bytes`."""
+    budget = user_memory_budget()
+    if budget is not None:
+        return budget
+    if backend is None:
+        return current_backend()[0].block_bytes
+    return (registry.get(backend) if isinstance(backend, str) else backend).block_bytes
 
 
 def _budget(nbytes: int) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 from attnx._config import chosen_backend_name, current_backend
 from attnx._registry import registry
 from attnx._tracing import run_at_trace_time
-from attnx.backend import Backend
+from attnx.backend import Backend, device_label
 
 logger = logging.getLogger("attnx")
 
@@ -100,7 +100,20 @@ def resolve_creation(operation: str, backend: str | None, device: Any) -> tuple[
     (``backend=``, else the current one), why, and ``device`` in its
     library's terms (:meth:`Backend.device`)."""
     chosen, reason = resolve(operation, backend, (), ())
+    if isinstance(device, str):
+        _require_listed_device(operation, chosen, reason, device)
     return chosen, reason, chosen.device(device)
+
+
+def _require_listed_device(operation: str, backend: Backend, reason: str, device: str) -> None:
+    """A device named by a string is one the backend lists (``"cuda:0"``), or
+    the kind of one (``"cuda"``, which the library resolves itself)."""
+    labels = [device_label(candidate) for candidate in backend.devices()]
+    if device not in labels and device not in {label.partition(":")[0] for label in labels}:
+        raise ValueError(
+            f"{operation}: device={device!r} is not a device of backend {backend.name!r} ({reason}); "
+            f"its devices: {', '.join(labels)}; to make another library's arrays, pass backend="
+        )
 
 
 def _require_same_device(operation: str, first_name: str, first: Any, name: str, array: Any) -> None:

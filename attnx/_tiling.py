@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from attnx import _checks, _masking, blocks
-from attnx._config import get_memory_budget
+from attnx._config import user_memory_budget
 
 Span = tuple[int, int]
 #: A key tile ``(start, stop, masked)``: ``masked`` says its mask must be
@@ -31,9 +31,10 @@ TilePlan = Callable[[Span | None, Span], Iterable[Tile]]
 #: absent, broadcastable to the scores).
 TileScores = Callable[[Any, Span | None, Span, Span, bool], tuple[Any, Any, Any]]
 
-#: Target size of one block of scores in the chunked algorithm, in bytes:
-#: small enough to stay in cache, large enough for efficient matrix products.
-#: The memory budget caps it, and blocks run at once share it.
+#: Target size of one block of scores in the chunked algorithm, in bytes,
+#: unless the backend says otherwise (:attr:`attnx.Backend.block_bytes`):
+#: small enough to stay in a CPU's cache, large enough for efficient matrix
+#: products.  The memory budget caps it, and blocks run at once share it.
 BLOCK_BYTES = 4 * 2**20
 #: Keys per block (Rabe and Staats use 4096).
 KEY_CHUNK = 4096
@@ -44,10 +45,16 @@ KEY_CHUNK = 4096
 MIN_ROWS = 64
 
 
-def block_bytes(budget: int, concurrent_blocks: int) -> int:
-    """The bytes of scores one block may hold: :data:`BLOCK_BYTES` within
-    the memory budget, shared by the blocks in flight."""
-    return min(BLOCK_BYTES, budget) // max(1, concurrent_blocks)
+def memory_budget(block_bytes: int = BLOCK_BYTES) -> int:
+    """The memory budget in force on a backend whose blocks hold
+    ``block_bytes``: the user's, else one block."""
+    return user_memory_budget() or block_bytes
+
+
+def bytes_per_block(concurrent_blocks: int, block_bytes: int = BLOCK_BYTES) -> int:
+    """The bytes of scores one block may hold: the backend's ``block_bytes``
+    within the memory budget, shared by the blocks in flight."""
+    return min(block_bytes, memory_budget(block_bytes)) // max(1, concurrent_blocks)
 
 
 def itemsize(xp: Any, dtype: Any) -> int:
@@ -55,12 +62,18 @@ def itemsize(xp: Any, dtype: Any) -> int:
     return 4 if _checks.accumulation_dtype(xp, dtype) == xp.float32 else 8
 
 
-def slices_per_block(xp: Any, dtype: Any, chunks: tuple[int, int], slices: int, concurrent_blocks: int = 1) -> int:
+def slices_per_block(
+    xp: Any,
+    dtype: Any,
+    chunks: tuple[int, int],
+    slices: int,
+    concurrent_blocks: int = 1,
+    block_bytes: int = BLOCK_BYTES,
+) -> int:
     """How many (batch, head) slices one block of the chunked algorithm holds:
-    as many as keep its scores within the block size (the memory budget
-    shared by ``concurrent_blocks`` blocks in flight)."""
+    as many as keep its scores within the block size (:func:`bytes_per_block`)."""
     query_chunk, key_chunk = chunks
-    fit = block_bytes(get_memory_budget(), concurrent_blocks) // (itemsize(xp, dtype) * query_chunk * key_chunk)
+    fit = bytes_per_block(concurrent_blocks, block_bytes) // (itemsize(xp, dtype) * query_chunk * key_chunk)
     return max(1, min(slices, fit))
 
 
@@ -72,12 +85,13 @@ def batch_groups(
     query_chunk: int,
     key_chunk: int,
     concurrent_blocks: int,
+    block_bytes: int = BLOCK_BYTES,
 ) -> tuple[list[Span | None], int]:
     """Spans of the first batch axis that make the blocks (``[None]``: the
     whole batch in each block), and the query rows per block: as many slices
     per block as fit the block size, and blocks enough for every worker."""
     slices = math.prod(batch_shape)
-    fit = slices_per_block(xp, dtype, (query_chunk, key_chunk), slices, concurrent_blocks)
+    fit = slices_per_block(xp, dtype, (query_chunk, key_chunk), slices, concurrent_blocks, block_bytes)
     row_blocks = -(-n // query_chunk)
     if concurrent_blocks > row_blocks:  # rows alone don't give every worker a block
         fit = min(fit, max(1, slices * row_blocks // concurrent_blocks))
@@ -125,6 +139,7 @@ def attend_tiles(
     tile_scores: TileScores,
     map_blocks: Callable[..., list[Any]] | None = None,
     concurrent_blocks: int = 1,
+    block_bytes: int = BLOCK_BYTES,
 ) -> Any:
     """Attention ``(*batch_shape, n, d_v)`` walked tile by tile with a running
     maximum and sum (Rabe and Staats 2021; the FlashAttention recurrence):
@@ -149,7 +164,9 @@ def attend_tiles(
     # A column of ones after the values: one matrix product then yields both
     # the weighted values and the row sums of a tile's state.
     value = xp.concat([value, xp.ones((*value.shape[:-1], 1), dtype=value.dtype, device=device)], axis=-1)
-    groups, query_chunk = batch_groups(xp, dtype, batch_shape, n, query_chunk, key_chunk, concurrent_blocks)
+    groups, query_chunk = batch_groups(
+        xp, dtype, batch_shape, n, query_chunk, key_chunk, concurrent_blocks, block_bytes
+    )
     ndim = len(batch_shape)
     parts = []  # per group: (scaled query, transposed key, value with ones, leading shape)
     for span in groups:

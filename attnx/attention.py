@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 from attnx import _checks, _dispatch, _masking, _plans, _tiling, _tracing
-from attnx._config import get_memory_budget
 from attnx._tiling import KEY_CHUNK, MIN_ROWS
 
 __all__ = ["masked_softmax", "scaled_dot_product_attention"]
@@ -121,7 +120,16 @@ def scaled_dot_product_attention(
             _checks.require_known(_SDPA, "is_causal", {"query": query, "key": key})
     scale, batch_shape, n, m = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
     chunks = choose_chunks(
-        xp, query.dtype, n, m, batch_shape, chunk_size, return_weights, is_causal, chosen.concurrent_blocks
+        xp,
+        query.dtype,
+        n,
+        m,
+        batch_shape,
+        chunk_size,
+        return_weights,
+        is_causal,
+        chosen.concurrent_blocks,
+        chosen.block_bytes,
     )
     arguments = {
         "query": query,
@@ -146,7 +154,11 @@ def scaled_dot_product_attention(
         reason,
         sdpa_generic,
         arguments,
-        {"map_blocks": chosen.map_blocks, "concurrent_blocks": chosen.concurrent_blocks}
+        {
+            "map_blocks": chosen.map_blocks,
+            "concurrent_blocks": chosen.concurrent_blocks,
+            "block_bytes": chosen.block_bytes,
+        }
         if chunks is not None
         else None,
     )
@@ -172,12 +184,14 @@ def choose_chunks(
     return_weights: bool,
     is_causal: bool = False,
     concurrent_blocks: int = 1,
+    block_bytes: int = _tiling.BLOCK_BYTES,
 ) -> tuple[int, int] | None:
     """``(query_chunk, key_chunk)`` for the chunked algorithm on ``n`` queries
     and ``m`` keys of ``dtype`` in each (batch, head) slice, or None for the
     plain algorithm: ``chunk_size`` if given, else chunks when the scores of
     all slices would exceed the memory budget, or when ``concurrent_blocks``
     workers can share them (at least :data:`PARALLEL_SCORES` scores).
+    ``block_bytes`` is the backend's (:attr:`attnx.Backend.block_bytes`).
 
     The plan is per slice: a block's scores are ``query_chunk x key_chunk``
     for each slice it holds, and :func:`attnx._tiling.slices_per_block` says how many
@@ -202,18 +216,18 @@ def choose_chunks(
     if scores != scores:  # unknown sizes (NaN: a lazy array's): no plan, the array's own chunks decide
         return None
     shared = concurrent_blocks > 1 and scores >= PARALLEL_SCORES
-    budget = get_memory_budget()
+    budget = _tiling.memory_budget(block_bytes)
     if scores * 8 <= budget and not shared:  # fits even in float64: the common, cheap case
         return None
     itemsize = _tiling.itemsize(xp, dtype)
     if scores * itemsize <= budget and not shared:
         return None
-    block_bytes = _tiling.block_bytes(budget, concurrent_blocks)
-    # One slice's block of about block_bytes; keys give way before rows do.
+    block = _tiling.bytes_per_block(concurrent_blocks, block_bytes)
+    # One slice's block of about that many bytes; keys give way before rows do.
     key_chunk = min(m, KEY_CHUNK)
-    while key_chunk > 512 and block_bytes // (itemsize * key_chunk) < MIN_ROWS:
+    while key_chunk > 512 and block // (itemsize * key_chunk) < MIN_ROWS:
         key_chunk //= 2
-    rows = max(MIN_ROWS, block_bytes // (itemsize * key_chunk))
+    rows = max(MIN_ROWS, block // (itemsize * key_chunk))
     if is_causal:
         rows = min(rows, max(MIN_ROWS, n // CAUSAL_BLOCKS))
     if concurrent_blocks > slices:  # too few slices to give every worker a block: split rows too
@@ -270,6 +284,7 @@ def sdpa_generic(
     chunk_size: Any = None,
     map_blocks: Callable[..., list[Any]] | None = None,
     concurrent_blocks: int = 1,
+    block_bytes: int = _tiling.BLOCK_BYTES,
 ) -> Any:
     """The generic algorithm, array API only (inputs already validated).
     ``chunk_size`` is the user's, for natives: ``chunks`` carries it here."""
@@ -291,6 +306,7 @@ def sdpa_generic(
             batch_shape=batch_shape,
             map_blocks=map_blocks,
             concurrent_blocks=concurrent_blocks,
+            block_bytes=block_bytes,
         )
     dtype = query.dtype
     compute = _checks.accumulation_dtype(xp, dtype)
@@ -447,6 +463,7 @@ def sdpa_chunked(
     batch_shape: tuple[int, ...] | None = None,
     map_blocks: Callable[..., list[Any]] | None = None,
     concurrent_blocks: int = 1,
+    block_bytes: int = _tiling.BLOCK_BYTES,
 ) -> Any:
     """Memory-efficient attention (Rabe and Staats 2021; the FlashAttention
     recurrence), array API only, walked by :func:`attnx._tiling.attend_tiles`.
@@ -513,4 +530,5 @@ def sdpa_chunked(
         tile_scores=tile_scores,
         map_blocks=map_blocks,
         concurrent_blocks=concurrent_blocks,
+        block_bytes=block_bytes,
     )

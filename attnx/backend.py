@@ -55,6 +55,12 @@ class Backend:
     #: How many blocks :meth:`map_blocks` runs at once: the chunked algorithms
     #: divide their block size by it, so memory stays within the budget.
     concurrent_blocks: int = 1
+    #: Bytes of scores one block of the chunked algorithms holds at most, and
+    #: the memory budget for scores where the user set none
+    #: (:func:`attnx.set_memory_budget`).  4 MiB keeps a CPU's blocks in its
+    #: cache; a GPU backend sets more, since every block costs it some dozens
+    #: of kernel launches whatever its size (CuPy: 512 MiB).
+    block_bytes: int = 4 * 2**20
 
     _xp: ModuleType | None = None
 

@@ -33,7 +33,6 @@ from collections.abc import Callable
 from typing import Any
 
 from attnx import _checks, _dispatch, _masking, _tiling
-from attnx._config import get_memory_budget
 from attnx.attention import choose_chunks
 
 __all__ = ["BlockMask", "and_masks", "create_block_mask", "flex_attention", "or_masks"]
@@ -227,7 +226,7 @@ def create_block_mask(
     mask_batch, mask_heads = probe.shape[:2]  # 1 where the mod does not depend on b or h
     # Tiles of whole blocks, their mask within the memory budget (a mod's
     # integer intermediates take 8 bytes an element).
-    elements = max(q_block * kv_block, get_memory_budget() // 8 // (mask_batch * mask_heads))
+    elements = max(q_block * kv_block, _tiling.memory_budget(chosen.block_bytes) // 8 // (mask_batch * mask_heads))
     cols = min(m, max(kv_block, elements // q_block // kv_block * kv_block))
     rows = min(n, max(q_block, elements // cols // q_block * q_block))
     row_kinds = []
@@ -607,7 +606,9 @@ def _flex_generic(
             output, weights = xp.astype(output, dtype), xp.astype(weights, dtype)
         return output, weights
     if block_mask is None or block_mask._plan is None:
-        chunks = choose_chunks(xp, dtype, n, m, batch_shape, None, False, False, backend.concurrent_blocks)
+        chunks = choose_chunks(
+            xp, dtype, n, m, batch_shape, None, False, False, backend.concurrent_blocks, backend.block_bytes
+        )
         query_chunk, key_chunk = chunks if chunks is not None else (n, m)
         masked = block_mask is not None  # kinds unknown (traced, lazy): every tile masked
 
@@ -615,7 +616,7 @@ def _flex_generic(
             return _tiling.split(0, m, key_chunk, masked)
     else:
         query_chunk, kv_block = block_mask.block_size
-        width = _tiling.block_bytes(get_memory_budget(), backend.concurrent_blocks) // (
+        width = _tiling.bytes_per_block(backend.concurrent_blocks, backend.block_bytes) // (
             _tiling.itemsize(xp, dtype) * query_chunk
         )
         # Runs no wider than the widest row of blocks visited: the batch
@@ -637,6 +638,7 @@ def _flex_generic(
         tile_scores=tile_scores,
         map_blocks=backend.map_blocks,
         concurrent_blocks=backend.concurrent_blocks,
+        block_bytes=backend.block_bytes,
     )
     return xp.reshape(output, (batch, heads, n, d_v))
 

@@ -12,6 +12,12 @@ class CuPyBackend(Backend):
     name = "cupy"
     array_module = "cupy"
     float_dtypes = ("float32", "float64", "float16")
+    #: Each block of the chunked algorithm costs some 40 kernel launches,
+    #: about 1 ms of Python and CuPy whatever its size: with the CPU's 4 MiB
+    #: blocks an H100 waited on them (200 ms for a (1, 8, 8192, 64) call
+    #: that takes 10 ms in one block).  From 512 MiB blocks the calls measured
+    #: were within 4% of 1 GiB ones (bench/RESULTS.md, "GPU").
+    block_bytes = 512 * 2**20
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("cupy") is None:
@@ -33,6 +39,16 @@ class CuPyBackend(Backend):
         import cupy
 
         return [f"cuda:{i}" for i in range(cupy.cuda.runtime.getDeviceCount())]
+
+    def device(self, device: Any) -> Any:
+        # CuPy's own functions take a device index or a cupy.cuda.Device,
+        # never a name: "cuda:1" becomes Device(1) here, once for every
+        # function that creates arrays from nothing.
+        if device is None:
+            return None
+        import cupy
+
+        return cupy.cuda.Device(_device_index(device))
 
     def namespace(self) -> Any:
         import array_api_compat.cupy

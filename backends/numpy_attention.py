@@ -120,7 +120,7 @@ def scaled_dot_product_attention(
     if chunks is None and slices * n * m < PARALLEL_SCORES:  # within the budget: attnx planned no chunks
         return _attend_small(query, key, value, scale, is_causal)
     d_v = value.shape[-1]
-    threads, budget = backend.concurrent_blocks, get_memory_budget()
+    threads, budget = backend.concurrent_blocks, get_memory_budget(backend)
     # Queries within a thread's share of the budget are scaled once, here: a
     # task that begins with a short NumPy call hands the GIL to a worker just
     # woken, and waits some 40 us to have it back (on this project's VMs).
@@ -257,7 +257,9 @@ def call_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any] 
     def plan(query: Any, key: Any, value: Any) -> Any:
         chunks = None
         if small:  # attnx's one rule for when scores need blocks, asked at each call
-            chunks = choose_chunks(xp, dtype, n, m, batch_shape, None, False, is_causal, backend.concurrent_blocks)
+            chunks = choose_chunks(
+                xp, dtype, n, m, batch_shape, None, False, is_causal, backend.concurrent_blocks, backend.block_bytes
+            )
             if chunks is None:
                 return _attend_small(query, key, value, scale, is_causal)
         return scaled_dot_product_attention(

@@ -234,9 +234,28 @@ def _flex_attention(
     # PyTorch's FlexAttention is fused and faster where it compiles kernels
     # (CUDA); on the CPU it has no backward, and eager it materialises the
     # scores: attnx's tiles are the better path there.
-    if return_weights or query.device.type != "cuda":
+    if return_weights or query.device.type != "cuda" or not _compiles_on_cuda(query, value, block_mask):
         return NotImplemented
     return pytorch_flex(query, key, value, score_mod, block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+#: What PyTorch's compiled FlexAttention takes on CUDA (2.11, H100): heads
+#: of 16 or more ("NYI: embedding dimension ... must be at least 16"), block
+#: masks whose blocks are a multiple of its kernels' tiles (powers of two up
+#: to 128), and the dtypes Triton's matrix products take (float64 fails to
+#: compile).  Elsewhere attnx's tiles compute the same exactly.
+FLEX_MIN_HEAD_DIM = 16
+FLEX_BLOCK_MULTIPLE = 128
+FLEX_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _compiles_on_cuda(query: Any, value: Any, block_mask: Any) -> bool:
+    """Whether PyTorch's compiled FlexAttention takes this call on CUDA."""
+    if _checks.dtype_name(query) not in FLEX_DTYPES:
+        return False
+    if min(query.shape[-1], value.shape[-1]) < FLEX_MIN_HEAD_DIM:
+        return False
+    return block_mask is None or all(size % FLEX_BLOCK_MULTIPLE == 0 for size in block_mask.block_size)
 
 
 #: PyTorch's block masks made from attnx's, per (attnx block mask, device).
@@ -274,7 +293,10 @@ def pytorch_flex(
     if compiled and not _compiled_flex:
         import torch
 
-        _compiled_flex.append(torch.compile(flex.flex_attention))
+        # Static: a float a mod closes over (soft_cap's cap) or the scale stays
+        # a constant of the kernel, where dynamic it would become a tensor read
+        # inside the mod, which PyTorch 2.11's lowering of FlexAttention refuses.
+        _compiled_flex.append(torch.compile(flex.flex_attention, dynamic=False))
     function = _compiled_flex[0] if compiled else flex.flex_attention
     return function(query, key, value, score_mod=score_mod, block_mask=torch_mask, scale=scale, enable_gqa=enable_gqa)
 

@@ -111,9 +111,10 @@ CASES = {
 WITH_WEIGHTS = ("no mods", "soft cap, causal", "or of masks, rows with nothing")
 
 
-def _inputs(be, dtype):
+def _inputs(be, dtype, n=N, m=M, width=D, value_width=3):
     gen = rng(92)
-    data = [gen.standard_normal(shape) for shape in ((B, H, N, D), (B, H_KV, M, D), (B, H_KV, M, 3))]
+    shapes = ((B, H, n, width), (B, H_KV, m, width), (B, H_KV, m, value_width))
+    data = [gen.standard_normal(shape) for shape in shapes]
     return [be.array(a, dtype) for a in data], [rounded(a, be, dtype) for a in data]
 
 
@@ -139,6 +140,42 @@ def test_flex_attention_matches_the_definition(attnx_backend, case):
         )
         assert_close(output, expected, be, dtype, like=query)
         assert_close(weights, expected_weights, be, dtype, like=query)
+
+
+#: Heads this wide, blocks of the default 128 and more than one block each
+#: way: the shapes fused kernels take (PyTorch's compiled FlexAttention on
+#: CUDA wants heads of 16 or more and blocks of a multiple of 128), so a
+#: backend that hands flex_attention to one is checked through it too.
+FUSED_WIDTH, FUSED_N, FUSED_M = 16, 200, 230
+FUSED_CASES = ("no mods", "causal", "sliding window", "ALiBi", "soft cap, causal")
+#: ALiBi's slopes here, in the inputs' dtype (score_mod keeps it): a sixteenth
+#: of the paper's, so that over 230 keys the biases stay near the dot
+#: products (a bias of 115 would scale float32's rounding with it).
+FUSED_SLOPES = SLOPES / 16
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_flex_attention_at_the_shapes_fused_kernels_take(attnx_backend, case, dtype):
+    be = attnx_backend
+    needs_indexing, build, score, allowed = CASES[case]
+    if needs_indexing:
+        _indexable(be)
+    dtype = be.dtype(dtype)
+    sizes = dict(n=FUSED_N, m=FUSED_M, width=FUSED_WIDTH, value_width=FUSED_WIDTH)
+    (query, key, value), exact = _inputs(be, dtype, **sizes)
+    score_mod, mask_mod = build(be)
+    if case == "ALiBi":
+        score_mod = mods.alibi(be.array(FUSED_SLOPES, dtype))
+
+        def score(s, b, h, i, j):
+            return s + FUSED_SLOPES[h] * (j - i)
+
+    block_mask = None if mask_mod is None else _block_mask(be, mask_mod, B, H, FUSED_N, FUSED_M)
+    grids = np.meshgrid(np.arange(B), np.arange(H), np.arange(FUSED_N), np.arange(FUSED_M), indexing="ij")
+    expected, _ = reference.flex_attention(*exact, score=score, allowed=None if allowed is None else allowed(*grids))
+    output = attnx.flex_attention(query, key, value, score_mod, block_mask, enable_gqa=True)
+    assert_close(output, expected, be, dtype, like=query)
 
 
 def test_float32_sliding_window_with_many_tiles(attnx_backend):
@@ -233,6 +270,21 @@ def test_gradients_reach_the_inputs_and_what_a_mod_closes_over(attnx_backend):
     gen = rng(93)
     arrays = [gen.standard_normal(shape) for shape in ((1, 2, 3, 2), (1, 1, 4, 2), (1, 1, 4, 2), (2,))]
     check_gradients(be, attention, arrays)
+
+
+def test_gradients_at_the_shapes_fused_kernels_take(attnx_backend):
+    from attnx_conformance.test_gradients import check_gradients
+
+    be = attnx_backend
+    _indexable(be)
+    block_mask = _block_mask(be, mods.causal, None, None, 5, 7)
+
+    def attention(q, k, v, slopes):
+        return attnx.flex_attention(q, k, v, mods.alibi(slopes), block_mask, enable_gqa=True)
+
+    gen = rng(94)
+    shapes = ((1, 2, 5, FUSED_WIDTH), (1, 1, 7, FUSED_WIDTH), (1, 1, 7, FUSED_WIDTH), (2,))
+    check_gradients(be, attention, [gen.standard_normal(shape) for shape in shapes])
 
 
 def _paper_slopes(heads):

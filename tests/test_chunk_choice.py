@@ -24,6 +24,7 @@ def chunks(shape, *, causal=False, dtype=np.float32, **kwargs):
         kwargs.get("return_weights", False),
         causal,
         kwargs.get("workers", 1),
+        kwargs.get("block_bytes", BLOCK_BYTES),
     )
 
 
@@ -73,3 +74,28 @@ def test_budget_and_explicit_chunk_size():
     assert chunks((1, 1, 2048, 64), return_weights=True) is None
     with pytest.raises(ValueError, match="memory budget must be a positive number of bytes"):
         attnx.set_memory_budget(0)
+
+
+def test_a_backends_block_size_is_its_default_budget():
+    """A GPU backend's larger blocks (``Backend.block_bytes``) are its default
+    budget and its block size; a budget the user sets caps both."""
+    gpu = 256 * 2**20
+    assert chunks((1, 8, 2048, 64), block_bytes=gpu) is None  # 128 MiB of scores: one plain call
+    rows, keys = chunks((1, 8, 8192, 64), block_bytes=gpu)
+    slices = slices_per_block(XP, np.float32, (rows, keys), 8, block_bytes=gpu)
+    assert BLOCK_BYTES < slices * rows * keys * 4 <= gpu
+    with attnx.memory_budget(8 * 2**20):
+        rows, keys = chunks((1, 8, 8192, 64), block_bytes=gpu)
+        assert slices_per_block(XP, np.float32, (rows, keys), 8, block_bytes=gpu) * rows * keys * 4 <= 8 * 2**20
+
+
+def test_the_default_budget_is_the_backends():
+    numpy_backend = attnx._registry.get("numpy")
+    assert attnx.get_memory_budget() == attnx.get_memory_budget("numpy") == numpy_backend.block_bytes == 4 * 2**20
+
+    class Wide(type(numpy_backend)):
+        block_bytes = 2**30
+
+    assert attnx.get_memory_budget(Wide()) == 2**30
+    with attnx.memory_budget(2**20):
+        assert attnx.get_memory_budget(Wide()) == attnx.get_memory_budget() == 2**20

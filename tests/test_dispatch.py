@@ -108,6 +108,22 @@ def test_device_names_become_the_library_s_devices():
     assert attnx.backend.device_label(devices[1]) == "device1"
 
 
+@pytest.mark.parametrize(
+    "create",
+    [
+        lambda device: attnx.masks.causal(3, device=device),
+        lambda device: attnx.sinusoidal_positions(3, 4, device=device),
+        lambda device: attnx.create_block_mask(attnx.mods.causal, None, None, 4, 4, device=device),
+        lambda device: attnx.mods.alibi_slopes(4, device=device),
+    ],
+    ids=["masks.causal", "sinusoidal_positions", "create_block_mask", "alibi_slopes"],
+)
+def test_creation_refuses_a_device_its_backend_does_not_list(create):
+    with pytest.raises(ValueError, match=r"device='cuda' is not a device of backend 'numpy' .*its devices: cpu"):
+        create("cuda")
+    assert create("cpu") is not None
+
+
 def test_creation_functions_take_device_names():
     strict = pytest.importorskip("array_api_strict")
     if "array_api_strict" not in {info.name for info in attnx.list_backends() if info.available}:

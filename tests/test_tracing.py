@@ -185,6 +185,17 @@ def test_torch_compile_fullgraph_multi_head_attention(torch):
     torch.testing.assert_close(compiled(x, lengths), layer(x, lengths), rtol=2e-5, atol=2e-6)
 
 
+def test_torch_compile_in_a_process_that_also_ran_numpy(torch):
+    """attnx's dtype caches hold NumPy's dtypes once NumPy has run; a
+    compiled PyTorch call must not trace through them (PyTorch 2.11's
+    compiler can't hash a NumPy dtype)."""
+    scores = np.random.default_rng(4).standard_normal((2, 5, 9))
+    lengths = np.array([5, 2])
+    expected = attnx.masked_softmax(scores, key_lengths=lengths)
+    compiled = torch.compile(lambda s, n: attnx.masked_softmax(s, key_lengths=n), fullgraph=True)
+    np.testing.assert_allclose(compiled(torch.from_numpy(scores), torch.from_numpy(lengths)).numpy(), expected)
+
+
 def test_torch_func_vmap_and_grad(torch):
     q, k, v, lengths, allowed = _inputs(batch=4)
     q, k, v = (torch.from_numpy(a).double() for a in (q, k, v))
