@@ -100,16 +100,15 @@ def scaled_dot_product_attention(
     is_causal: bool,
     scale: Any,
     return_weights: bool,
-    chunks: tuple[int, int] | None = None,
-    batch_shape: tuple[int, ...] | None = None,
-    chunk_size: Any = None,
+    chunks: tuple[int, int] | None,
+    batch_shape: tuple[int, ...],
+    chunk_size: Any,
     backend: Any,
 ) -> Any:
     """attnx's native entry point (see :meth:`attnx.Backend.implementations`);
     ``backend`` (bound by it) runs the tasks on its threads.  A ``chunk_size``
-    the user gave sets the rows and keys of each task (``chunks``)."""
-    if batch_shape is None:
-        batch_shape = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+    the user gave sets the rows and keys of each task (``chunks``).  Calls
+    with no query, key or slice it declines (:func:`_slices_taken`)."""
     slices = _slices_taken(query, key, mask, key_lengths, is_causal, return_weights, batch_shape)
     if slices is None:
         return NotImplemented
@@ -263,7 +262,14 @@ def call_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any] 
             if chunks is None:
                 return _attend_small(query, key, value, scale, is_causal)
         return scaled_dot_product_attention(
-            query=query, key=key, value=value, chunks=chunks, batch_shape=batch_shape, backend=backend, **options
+            query=query,
+            key=key,
+            value=value,
+            chunks=chunks,
+            batch_shape=batch_shape,
+            chunk_size=None,
+            backend=backend,
+            **options,
         )
 
     return plan
@@ -337,8 +343,6 @@ def _exact_unshifted(totals: Any, output: Any, m: int) -> bool:
     made it inf or NaN (as do values that hold inf or NaN, which the shifted
     run gives back as they are).  Read by their minimum and maximum, not a
     sum: a sum of finite outputs may overflow, and would run them again."""
-    if totals.size == 0:
-        return True
     finfo = np.finfo(totals.dtype)
     low, high = math.sqrt(float(finfo.tiny)) * m, float(finfo.max)
     if not (low <= totals.min() and totals.max() <= high):

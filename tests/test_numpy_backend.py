@@ -370,3 +370,34 @@ def test_causal_bands_are_shared_only_by_blocks_of_one_geometry(blocks):
         future = numpy_attention._band(n, m, r0, r1, b0, b0 + width, bool)
         queries, keys = np.arange(r0, r1)[:, None], np.arange(b0, b0 + width)[None, :]
         np.testing.assert_array_equal(future, keys > queries + (m - n))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    slices=st.integers(1, 128),
+    n=st.integers(1, 20_000),
+    m=st.integers(1, 20_000),
+    itemsize=st.sampled_from([4, 8]),
+    is_causal=st.booleans(),
+    threads=st.integers(1, 8),
+    budget=st.integers(1, 2**28),
+)
+def test_native_plan_keeps_each_thread_within_its_share_of_the_budget(
+    slices, n, m, itemsize, is_causal, threads, budget
+):
+    """Each task's scores fit ``budget / threads`` (issue 15: threads share
+    the budget), unless the plan is at its floor (one slice, keys down to
+    512, rows down to MIN_ROWS); rows are halved no further than that, so
+    no block has fewer than MIN_ROWS / 2 rows that the query has (narrower
+    products lose a third of their speed); with threads and work enough for
+    them, every thread gets a task."""
+    from attnx_backends import numpy_attention as native
+
+    per_task, rows, key_chunk = native.plan(slices, n, m, itemsize, is_causal, threads, budget)
+    assert 1 <= per_task <= slices and 1 <= rows <= min(n, native.MAX_ROWS) and 1 <= key_chunk <= m
+    assert rows > min(n - 1, native.MIN_ROWS // 2)
+    if per_task * rows * key_chunk * itemsize > budget // threads:
+        assert per_task == 1 and rows <= native.MIN_ROWS and key_chunk <= max(512, m if m <= 512 else 0)
+    tasks = -(-slices // per_task) * -(-n // rows)
+    if threads > 1 and slices * n * m >= native.PARALLEL_SCORES:
+        assert tasks >= min(threads, slices * -(-n // rows))
