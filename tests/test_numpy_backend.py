@@ -397,7 +397,7 @@ def test_native_plan_keeps_each_thread_within_its_share_of_the_budget(
     assert 1 <= per_task <= slices and 1 <= rows <= min(n, native.MAX_ROWS) and 1 <= key_chunk <= m
     assert rows > min(n - 1, native.MIN_ROWS // 2)
     if per_task * rows * key_chunk * itemsize > budget // threads:
-        assert per_task == 1 and rows <= native.MIN_ROWS and key_chunk <= max(512, m if m <= 512 else 0)
+        assert per_task == 1 and rows <= native.MIN_ROWS and key_chunk <= 512
     tasks = -(-slices // per_task) * -(-n // rows)
     if threads > 1 and slices * n * m >= native.PARALLEL_SCORES:
         assert tasks >= min(threads, slices * -(-n // rows))
