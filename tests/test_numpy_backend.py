@@ -398,6 +398,6 @@ def test_native_plan_keeps_each_thread_within_its_share_of_the_budget(
     assert rows > min(n - 1, native.MIN_ROWS // 2)
     if per_task * rows * key_chunk * itemsize > budget // threads:
         assert per_task == 1 and rows <= native.MIN_ROWS and key_chunk <= 512
-    tasks = -(-slices // per_task) * -(-n // rows)
+    row_blocks = -(-n // rows)
     if threads > 1 and slices * n * m >= native.PARALLEL_SCORES:
-        assert tasks >= min(threads, slices * -(-n // rows))
+        assert -(-slices // per_task) * row_blocks >= min(threads, slices * row_blocks)
