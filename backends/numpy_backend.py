@@ -5,12 +5,21 @@ of them through BLAS.  So :meth:`NumPyBackend.map_blocks` runs the blocks of
 the chunked algorithms on threads (NumPy releases the GIL), with BLAS held to
 one thread per block meanwhile: every core then works on the exponentials too.
 ``ATTNX_NUM_THREADS`` sets the number of threads (1 turns this off).
+
+On a free-threaded CPython (3.13t and later, the GIL off) a thread waiting
+for blocks or for their end spins a while before it sleeps, as OpenMP's
+threads do: a sleeping thread's vCPU halts, and waking it costs tens of
+microseconds on the VMs this was measured on (bench/RESULTS.md).  With a
+GIL the waits sleep at once: a spinning thread would hold the GIL that the
+working threads need between their NumPy calls.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -18,6 +27,13 @@ from typing import Any
 from attnx import Backend, hookimpl
 
 THREADS_ENV = "ATTNX_NUM_THREADS"
+#: How long a waiting thread spins before it sleeps, where there is no GIL:
+#: at (1, 8, 128, 64) float32 on 2 cores, 50 us gained nothing, 300 us and
+#: 1 ms 10-18% of a call's time (bench/RESULTS.md, twenty-third session).
+SPIN_SECONDS = 0.0005
+# CPython before 3.13 has a GIL, always on; 3.13t can turn it back on at
+# run time (an extension that does not declare itself free-threading safe).
+_gil_enabled = getattr(sys, "_is_gil_enabled", lambda: True)
 
 
 def _default_threads() -> int:
@@ -170,7 +186,7 @@ class _Helper:
 
     def _serve(self) -> None:
         while True:
-            self._go.acquire()
+            _acquire(self._go)
             try:
                 self._function()  # type: ignore[misc]
             except BaseException as error:  # handed to the caller by join
@@ -183,10 +199,21 @@ class _Helper:
 
     def join(self) -> BaseException | None:
         """Wait for the function to return; its error, if it raised one."""
-        self._done.acquire()
+        _acquire(self._done)
         # Dropped here: the function's closure holds the call's arrays.
         error, self._error, self._function = self._error, None, None
         return error
+
+
+def _acquire(lock: threading.Lock) -> None:
+    """``lock.acquire()``, spinning first for at most SPIN_SECONDS where
+    the GIL is off (see the module's docstring)."""
+    if not _gil_enabled():
+        deadline = time.perf_counter() + SPIN_SECONDS
+        while time.perf_counter() < deadline:
+            if lock.acquire(blocking=False):
+                return
+    lock.acquire()
 
 
 @contextmanager

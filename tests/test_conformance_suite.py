@@ -185,7 +185,9 @@ def test_a_backend_with_no_test_run_fails_the_session(pytester):
     all_skipped = _suite(
         pytester, "--attnx-backend", "numpy", "-k", "test_explicit_backend_that_does_not_own_the_inputs"
     )
-    assert all_skipped.parseoutcomes()["skipped"] == 1 and "passed" not in all_skipped.parseoutcomes()
+    # the anchor tests' module is skipped too where PyTorch is not installed
+    assert "passed" not in all_skipped.parseoutcomes()
+    all_skipped.stdout.fnmatch_lines(["scaled_dot_product_attention*1 skipped"])
     assert all_skipped.ret == pytest.ExitCode.TESTS_FAILED
 
 

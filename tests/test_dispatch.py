@@ -31,6 +31,7 @@ def test_explicit_backend_native_and_declined(loopback, caplog):
 
 
 def test_use_backend_is_context_local():
+    pytest.importorskip("torch")
     seen = {}
 
     def worker():
@@ -51,6 +52,7 @@ def test_use_backend_is_context_local():
 
 
 def test_current_backend_order(monkeypatch):
+    pytest.importorskip("torch")
     monkeypatch.setenv("ATTNX_BACKEND", "torch")
     assert attnx.get_backend() == "torch"
     attnx.set_backend("numpy")

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import attnx
+from attnx_backends import numpy_backend
 from attnx_backends.numpy_backend import NumPyBackend
 from attnx_conformance import reference
 
@@ -85,6 +86,39 @@ def test_map_blocks_from_two_threads_at_once():
     for caller in callers:
         caller.join()
     assert results == {offset: [i + offset for i in range(20)] for offset in (0, 100, 200)}
+
+
+@pytest.mark.parametrize("gil_enabled", [True, False], ids=["with-gil-sleeps", "free-threaded-spins"])
+def test_map_blocks_waits_for_every_block_whether_it_spins_or_sleeps(monkeypatch, gil_enabled):
+    """Without a GIL the waits spin for SPIN_SECONDS, then sleep; with one
+    they sleep at once.  Either way every block ends before map_blocks
+    returns: blocks shorter and longer than the spin, helpers idle for less
+    and for more than it."""
+    looks = []
+
+    def perf_counter():
+        looks.append(None)
+        return time.perf_counter()
+
+    monkeypatch.setattr(numpy_backend, "_gil_enabled", lambda: gil_enabled)
+    monkeypatch.setattr(numpy_backend, "SPIN_SECONDS", 0.001)
+    monkeypatch.setattr(numpy_backend, "time", type("clock", (), {"perf_counter": staticmethod(perf_counter)}))
+    backend = NumPyBackend()
+    backend.concurrent_blocks = 3
+    ended = []
+
+    def work(pause):
+        time.sleep(pause)
+        ended.append(pause)
+        return pause
+
+    pauses = [0.0, 0.004, 0.0, 0.003, 0.0]
+    for idle in (0.0, 0.005):
+        time.sleep(idle)
+        assert backend.map_blocks(work, pauses) == pauses
+        assert sorted(ended) == sorted(pauses)
+        ended.clear()
+    assert bool(looks) is not gil_enabled
 
 
 def test_map_blocks_inside_a_worker_runs_inline():
