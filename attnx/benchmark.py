@@ -27,6 +27,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -721,6 +722,15 @@ def _markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> li
     ]
 
 
+def _python() -> str:
+    """The interpreter, and on a free-threaded build whether the GIL is off:
+    the NumPy backend's threads wait differently (spinning) without it."""
+    text = f"Python {platform.python_version()}"
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        text += ", free-threaded, the GIL " + ("on" if sys._is_gil_enabled() else "off")
+    return text
+
+
 def markdown(results: Sequence[Result], command: str, grid: bool = False, rounds: int = 1) -> str:
     lines = _markdown_table(HEADERS, table_rows(results))
     exponents = []
@@ -750,7 +760,7 @@ def markdown(results: Sequence[Result], command: str, grid: bool = False, rounds
         [
             f"Command: `{command}`",
             "",
-            f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
+            f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {_python()}; "
             "each row measured in its own process (one array library per process, so OpenBLAS's idle "
             "threads cannot slow PyTorch); times are medians of at least `--repeat` calls and 0.25 s, after one warm-up call"
             + (

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
+import sysconfig
 
 from attnx.benchmark import Case, PoolPeak, Result, fit_exponent, ratios
 
@@ -42,8 +44,19 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     assert all(row["peak_bytes"] is not None for row in rows)
     markdown = (out / "results.md").read_text()
     assert markdown.startswith("Command: `attnx bench --sizes 16 32")
+    assert f"Python {platform.python_version()}" in markdown
+    assert ("free-threaded" in markdown) is bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
     assert "time grows as n^" in markdown
     assert (out / "time.png").stat().st_size > 10_000
+
+
+def test_the_report_says_whether_the_gil_is_off_on_a_free_threaded_build(monkeypatch):
+    from attnx import benchmark
+
+    monkeypatch.setattr(benchmark.sysconfig, "get_config_var", lambda name: 1 if name == "Py_GIL_DISABLED" else None)
+    for enabled, words in ((False, "the GIL off"), (True, "the GIL on")):
+        monkeypatch.setattr(benchmark.sys, "_is_gil_enabled", lambda enabled=enabled: enabled, raising=False)
+        assert benchmark._python() == f"Python {platform.python_version()}, free-threaded, {words}"
 
 
 def test_ratio_is_against_the_fastest_baseline_of_the_same_size():
