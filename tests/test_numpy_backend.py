@@ -121,6 +121,36 @@ def test_map_blocks_waits_for_every_block_whether_it_spins_or_sleeps(monkeypatch
     assert bool(looks) is not gil_enabled
 
 
+def test_calls_from_several_threads_at_once_each_get_their_own_result():
+    """Threaded native calls from four threads at once (on a free-threaded
+    CPython truly at once): one call holds the helpers, the others run
+    their blocks inline, every thread has its own scratch buffers, and
+    each result is its own call's."""
+    rng = np.random.default_rng(7)
+    shape = (2, 4, 96, 16)  # 8 slices of 96 x 96 scores: planned on threads
+    inputs = [[rng.standard_normal(shape).astype(np.float32) for _ in range(3)] for _ in range(4)]
+    expected = [[_reference(*qkv, is_causal=is_causal) for is_causal in (False, True)] for qkv in inputs]
+    start, errors = threading.Barrier(len(inputs)), []
+
+    def call(index):
+        start.wait()
+        try:
+            for round in range(20):
+                is_causal = bool(round % 2)
+                output = attnx.scaled_dot_product_attention(*inputs[index], is_causal=is_causal)
+                if not np.allclose(output, expected[index][is_causal], rtol=1e-4, atol=1e-5):
+                    errors.append((index, round))
+        except BaseException as error:  # a thread's error would otherwise be only a warning
+            errors.append((index, error))
+
+    callers = [threading.Thread(target=call, args=(index,)) for index in range(len(inputs))]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join()
+    assert errors == []
+
+
 def test_map_blocks_inside_a_worker_runs_inline():
     backend = NumPyBackend()
     backend.concurrent_blocks = 2
