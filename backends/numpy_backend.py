@@ -171,10 +171,11 @@ def _run_blocks(function: Callable[[Any], Any], items: list[Any], helpers: list[
 
 class _Helper:
     """A thread that runs one function at a time for :func:`_run_blocks`,
-    handed over by a pair of locks: a round trip costs some 14 us on this
-    project's VMs, against 31 us through a ``ThreadPoolExecutor``, whose
-    futures and queue are Python code that holds the GIL while the calling
-    thread needs it."""
+    handed over by a pair of locks: a round trip cost some 14 us on the VMs
+    where this was measured, against 31 us through a ``ThreadPoolExecutor``,
+    whose futures and queue are Python code that holds the GIL while the
+    calling thread needs it (75-100 us on a host slower to wake a halted
+    vCPU; 15-28 us there with spinning waits, bench/RESULTS.md)."""
 
     def __init__(self, name: str) -> None:
         self._go, self._done = threading.Lock(), threading.Lock()
