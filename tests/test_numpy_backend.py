@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -102,7 +103,7 @@ def test_map_blocks_waits_for_every_block_whether_it_spins_or_sleeps(monkeypatch
 
     monkeypatch.setattr(numpy_backend, "_gil_enabled", lambda: gil_enabled)
     monkeypatch.setattr(numpy_backend, "SPIN_SECONDS", 0.001)
-    monkeypatch.setattr(numpy_backend, "time", type("clock", (), {"perf_counter": staticmethod(perf_counter)}))
+    monkeypatch.setattr(numpy_backend, "time", types.SimpleNamespace(perf_counter=perf_counter))
     backend = NumPyBackend()
     backend.concurrent_blocks = 3
     ended = []
@@ -135,11 +136,11 @@ def test_calls_from_several_threads_at_once_each_get_their_own_result():
     def call(index):
         start.wait()
         try:
-            for round in range(20):
-                is_causal = bool(round % 2)
+            for attempt in range(20):
+                is_causal = bool(attempt % 2)
                 output = attnx.scaled_dot_product_attention(*inputs[index], is_causal=is_causal)
                 if not np.allclose(output, expected[index][is_causal], rtol=1e-4, atol=1e-5):
-                    errors.append((index, round))
+                    errors.append((index, attempt))
         except BaseException as error:  # a thread's error would otherwise be only a warning
             errors.append((index, error))
 
