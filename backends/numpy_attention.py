@@ -8,8 +8,10 @@ preallocated array, and blocks of several (batch, head) slices run on
 threads that each hold BLAS to one core.
 
 The work is cut into tasks of ``slices`` (batch, head) pairs by ``rows``
-queries; each task walks the keys in blocks of ``key_chunk`` with the online
-softmax (a running maximum and sum), so its scores never exceed one block.
+queries (a causal call of one task a thread: spans of rows of equal work,
+:func:`causal_spans`); each task walks the keys in blocks of ``key_chunk``
+with the online softmax (a running maximum and sum), so its scores never
+exceed one block.
 
 Softmax does not change when a row is shifted by any constant; the shift
 (each row's running maximum) is there only to keep the exponentials and
@@ -32,6 +34,7 @@ work (four such checks a task took 63 us of a (1, 8, 128, 64) call's
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable, Mapping
@@ -90,6 +93,43 @@ def plan(
     return per_task, rows, key_chunk
 
 
+@functools.lru_cache(maxsize=64)
+def causal_spans(n: int, m: int, count: int) -> tuple[tuple[int, int], ...] | None:
+    """``count`` spans of causal query rows, ``((r0, r1), ...)`` from the
+    last rows to the first, that take about the same work; None where the
+    narrowest would have fewer than ``MIN_ROWS // 2`` rows.
+
+    The rows ``r0:r1`` attend the keys up to the last one's diagonal,
+    ``r1 + m - n``: ``(r1 - r0) * (r1 + m - n)`` scores, a rectangle over
+    the triangle the mask leaves.  Spans of equal work are short where the
+    keys are many (n = m = 128 on two threads: rows 79-128 and 0-79, 76% of
+    the full square's scores), and each is one block of every slice: the
+    NumPy calls of a task of the full square, half those of tasks attended
+    in blocks of MIN_ROWS rows (``SPLIT_WIDTH``)."""
+    offset = m - n
+
+    def ends(work: float) -> list[int]:
+        # Top down, each span as tall as ``work`` allows: r1 solves
+        # (r1 - r0) * (r1 + offset) = work.
+        bounds = [0]
+        while bounds[-1] < n and len(bounds) <= count:
+            r0 = bounds[-1]
+            r1 = (r0 - offset + math.sqrt((r0 + offset) ** 2 + 4 * work)) / 2
+            bounds.append(min(n, max(r0 + 1, round(r1))))
+        return bounds
+
+    # Bisect for the least work per span with which ``count`` spans cover the rows.
+    low, high = 0.0, float(n * m)
+    for _ in range(48):
+        middle = (low + high) / 2
+        low, high = (low, middle) if ends(middle)[-1] == n else (middle, high)
+    bounds = ends(high)
+    spans = tuple(zip(bounds, bounds[1:]))
+    if len(spans) != count or min(r1 - r0 for r0, r1 in spans) < MIN_ROWS // 2:
+        return None
+    return spans[::-1]
+
+
 def scaled_dot_product_attention(
     *,
     query: Any,
@@ -140,26 +180,49 @@ def scaled_dot_product_attention(
     per_task, rows, key_chunk = plan(slices, n, m, dtype.itemsize, is_causal, threads, budget)
     if chunk_size is not None:
         (rows, key_chunk), per_task = chunks, 1
+    # Causal calls of one task a thread (see plan) take spans of rows of
+    # equal work over every slice, where a thread's share of the budget
+    # holds a span's scores.
+    spans = None
+    if (
+        is_causal
+        and chunk_size is None
+        and threads > 1
+        and PARALLEL_SCORES <= slices * n * m < BALANCED_SCORES
+        and slices * n * min(m, KEY_CHUNK) * dtype.itemsize <= budget // threads
+    ):
+        spans = causal_spans(n, m, threads)
+    if spans is not None:
+        tasks = [(0, slices, r0, r1) for r0, r1 in spans]
+        per_task, rows, key_chunk = slices, max(r1 - r0 for r0, r1 in spans), min(m, KEY_CHUNK)
+        inner_rows = n
+    else:
+        # Causal tasks near the end of the sequence cost the most: start them
+        # first, so that the last tasks to finish are short.
+        tasks = [
+            (s0, min(slices, s0 + per_task), r0, min(n, r0 + rows))
+            for r0 in reversed(range(0, n, rows))
+            for s0 in range(0, slices, per_task)
+        ]
+        # Causal tasks of many slices attend their rows in blocks of MIN_ROWS,
+        # each to the keys up to its own diagonal (see SPLIT_WIDTH).
+        inner_rows = MIN_ROWS if is_causal and per_task * query.shape[-1] >= SPLIT_WIDTH else rows
     key_t = k.transpose(0, 2, 1)  # a view: BLAS reads it transposed
     size = per_task * rows * key_chunk
     # Each row's sum of weights: the tasks' normalisers, and the test of
     # whether their exponentials could be taken unshifted.
     totals = np.empty((slices, n, 1), dtype=dtype)
-    # Causal tasks of many slices attend their rows in blocks of MIN_ROWS, each
-    # to the keys up to its own diagonal (see SPLIT_WIDTH).
-    inner_rows = MIN_ROWS if is_causal and per_task * query.shape[-1] >= SPLIT_WIDTH else rows
 
-    def attend(task: tuple[int, int, bool]) -> None:
-        s0, r0, shifted = task
+    def attend(task: tuple[tuple[int, int, int, int], bool]) -> None:
+        span, shifted = task
         if not shifted:
             # Overflow and its NaN are expected there, and caught by the
             # sums: the user hears of them only from the shifted run.
             with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
-                return attend_rows(s0, r0, shifted)
-        return attend_rows(s0, r0, shifted)
+                return attend_rows(*span, shifted)
+        return attend_rows(*span, shifted)
 
-    def attend_rows(s0: int, r0: int, shifted: bool) -> None:
-        s1, r1 = min(slices, s0 + per_task), min(n, r0 + rows)
+    def attend_rows(s0: int, s1: int, r0: int, r1: int, shifted: bool) -> None:
         scratch = _scratch(size, dtype)
         for b0 in range(r0, r1, inner_rows):
             b1 = min(r1, b0 + inner_rows)
@@ -178,25 +241,21 @@ def scaled_dot_product_attention(
                 shifted,
             )
 
-    def run(tasks: list[tuple[int, int, bool]]) -> None:
+    def run(tasks: list[tuple[int, int, int, int]], shifted: bool) -> None:
         if len(tasks) == 1:
-            attend(tasks[0])
+            attend((tasks[0], shifted))
         else:
-            backend.map_blocks(attend, tasks)
+            backend.map_blocks(attend, [(task, shifted) for task in tasks])
 
-    # Causal tasks near the end of the sequence cost the most: start them
-    # first, so that the last tasks to finish are short.
-    tasks = [(s0, r0, False) for r0 in reversed(range(0, n, rows)) for s0 in range(0, slices, per_task)]
-    run(tasks)
+    run(tasks, False)
     if not _exact_unshifted(totals, output, m):
         run(
             [
-                (s0, r0, True)
-                for s0, r0, _ in tasks
-                if not _exact_unshifted(
-                    totals[s0 : s0 + per_task, r0 : r0 + rows], output[s0 : s0 + per_task, r0 : r0 + rows], m
-                )
-            ]
+                (s0, s1, r0, r1)
+                for s0, s1, r0, r1 in tasks
+                if not _exact_unshifted(totals[s0:s1, r0:r1], output[s0:s1, r0:r1], m)
+            ],
+            True,
         )
     return output.reshape(*batch_shape, n, d_v)
 

@@ -414,6 +414,111 @@ def test_wide_causal_tasks_attend_their_rows_in_blocks(monkeypatch, length):
     np.testing.assert_allclose(got, expected, **tolerance)
 
 
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 3000), extra_keys=st.integers(0, 3000), count=st.integers(2, 8))
+def test_causal_spans_cover_the_rows_in_spans_of_equal_work(n, extra_keys, count):
+    """``count`` spans, last rows first, that cover rows 0..n once; each at
+    least MIN_ROWS / 2 rows (narrower products lose a third of their speed);
+    each computes ``rows * (r1 + m - n)`` scores, within rounding of the
+    others.  None only where spans of equal work would be narrower."""
+    from attnx_backends import numpy_attention as native
+
+    m = n + extra_keys
+    spans = native.causal_spans(n, m, count)
+    if spans is None:
+        # Even rows alone would give the narrowest span (the last, which
+        # sees the most keys) no more rows than the others.
+        assert n < count * native.MIN_ROWS // 2 or _narrowest_equal_span(n, m, count) < native.MIN_ROWS // 2 + 1
+        return
+    assert len(spans) == count
+    assert [r0 for r0, _ in spans] == [r1 for _, r1 in spans[1:]] + [0] and spans[0][1] == n
+    assert min(r1 - r0 for r0, r1 in spans) >= native.MIN_ROWS // 2
+    work = [(r1 - r0) * (r1 + m - n) for r0, r1 in spans]
+    # A boundary moved by half a row changes a span's work by half a row of keys.
+    assert max(work) - min(work) <= 2 * m
+
+
+def _narrowest_equal_span(n, m, count):
+    """The rows of the last of ``count`` spans of equal work, unrounded: by
+    bisection on the first boundaries, independently of the native's own."""
+    offset = m - n
+
+    def last_rows(work):
+        r0 = 0.0
+        for _ in range(count - 1):
+            r0 = (r0 - offset + ((r0 + offset) ** 2 + 4 * work) ** 0.5) / 2
+        return n - r0, (n - r0) * (n + offset) - work
+
+    low, high = 0.0, float(n * m)
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if last_rows(middle)[1] > 0 else (low, middle)
+    return last_rows(low)[0]
+
+
+@pytest.mark.parametrize(
+    "n, m, dtype, spans",
+    [(128, 128, "float32", {(79, 128), (0, 79)}), (128, 200, "float64", {(74, 128), (0, 74)})],
+    ids=["square", "more-keys"],
+)
+def test_causal_calls_of_a_task_a_thread_attend_spans_of_rows_over_every_slice(monkeypatch, n, m, dtype, spans):
+    """On two threads, a causal call of one task a thread takes two tasks of
+    every slice, rows 0-78 to the keys up to their diagonal and rows 79-127
+    to all of them, of about equal work (m > n: the diagonal moves by m -
+    n), and computes the reference's attention."""
+    from attnx_backends import numpy_attention
+
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((1, 8, n, 64)).astype(dtype)
+    k, v = (rng.standard_normal((1, 8, m, 64)).astype(dtype) for _ in range(2))
+    monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 2)
+    blocks = []
+    original = numpy_attention._attend_block
+
+    def recording(query, key_t, value, output, totals, scale, is_causal, r0, *args):
+        blocks.append((query.shape[0], r0, r0 + query.shape[1]))
+        return original(query, key_t, value, output, totals, scale, is_causal, r0, *args)
+
+    monkeypatch.setattr(numpy_attention, "_attend_block", recording)
+    got = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert sorted(blocks) == sorted((8, r0, r1) for r0, r1 in spans)
+    np.testing.assert_allclose(got, _reference(q, k, v, is_causal=True), **TOLERANCE[dtype])
+
+
+@pytest.mark.filterwarnings("error")  # nothing of the unshifted run reaches the user
+def test_causal_spans_run_again_shifted_where_a_slice_overflows_unshifted(monkeypatch):
+    """A span covers every slice: where one slice's scores are beyond the
+    largest exponential (entry 1, queries and keys pointing the same way),
+    each span whose rows overflow runs again, shifted, and every slice comes
+    out right; the spans of a call with ordinary scores run once."""
+    from attnx_backends import numpy_attention
+
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 4, 128, 64)).astype(np.float32) for _ in range(3))
+    monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 2)
+    runs = []
+    original = numpy_attention._attend_block
+
+    def recording(*args):
+        runs.append(args[-1])  # shifted
+        return original(*args)
+
+    monkeypatch.setattr(numpy_attention, "_attend_block", recording)
+    attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert runs == [False, False]
+    runs.clear()
+    direction = np.zeros(64, dtype=np.float32)
+    direction[0] = 40  # scores of 40**2 / 8 = 200: e^200 overflows float32
+    q[1, :, 100:] += direction
+    k[1, :, :4] += direction
+    got = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # Rows 100-127 overflow: they are in the last span only.
+    assert runs == [False, False, True]
+    expected = _reference(q, k, v, is_causal=True)
+    np.testing.assert_allclose(got[0], expected[0], **TOLERANCE["float32"])
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-3, atol=1e-4)
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     blocks=st.lists(
