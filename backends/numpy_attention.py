@@ -57,9 +57,11 @@ PARALLEL_SCORES = 2**16
 #: Slices times ``d_k`` per causal task from which its rows are attended in
 #: blocks of MIN_ROWS, each to the keys up to its own diagonal: less work,
 #: in smaller products whose per-call costs narrow tasks don't amortise.  On
-#: two threads, against no split: 0.93x the time at (1, 8, 128, 64) (4
-#: slices a task of d_k 64), 0.94x at (1, 4, 128, 128) (2 of 128), 0.93x at
-#: (1, 8, 512, 64); 0.89x at (1, 8, 128, 128) (4 of 128).
+#: two threads, against no split: 0.93x the time at (1, 8, 512, 64) (8
+#: slices a task of d_k 64).  Calls of one task a thread take
+#: :func:`causal_spans` instead: at (1, 8, 128, 64) and (1, 4, 128, 128)
+#: this split took 0.93x and 0.94x of no split, spans 0.84-0.91x and 0.87x
+#: of this split (bench/RESULTS.md, twenty-fourth session).
 SPLIT_WIDTH = 256
 #: Scores from which each thread gets two tasks or more.
 BALANCED_SCORES = 2**20
