@@ -227,8 +227,6 @@ def test_native_runs_again_shifted_only_the_tasks_whose_unshifted_sums_fail(monk
     and 127 do (in their future when causal, and masked: inf times 0); in
     entry 3 queries point against the keys, and every exponential underflows
     to 0."""
-    from attnx_backends import numpy_attention
-
     rng = np.random.default_rng(1)
     n, d = 256, 64
     q, k, v = (rng.standard_normal((4, 2, n, d)).astype(dtype) for _ in range(3))
@@ -240,14 +238,7 @@ def test_native_runs_again_shifted_only_the_tasks_whose_unshifted_sums_fail(monk
     k[2, :, 126:128] += direction
     q[3] -= direction
     k[3] += direction
-    runs = []
-    original = numpy_attention._attend_block
-
-    def recording(*args):
-        runs.append(args[-1])  # shifted
-        return original(*args)
-
-    monkeypatch.setattr(numpy_attention, "_attend_block", recording)
+    runs = _recorded_blocks(monkeypatch, lambda *args: args[-1])  # shifted
     got = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, chunk_size=(64, 128))
     expected = _reference(q, k, v, is_causal)
     assert np.isfinite(got).all()
@@ -295,6 +286,22 @@ def test_native_shifts_rows_whose_weights_would_make_small_values_subnormal(dtyp
     got = attnx.scaled_dot_product_attention(q, k, v, chunk_size=(64, 128))
     tolerance = TOLERANCE[dtype]
     np.testing.assert_allclose(got, _reference(q, k, v), rtol=tolerance["rtol"], atol=small * tolerance["atol"])
+
+
+def _recorded_blocks(monkeypatch, record):
+    """A list that gets ``record(*arguments)`` of each call of the native's
+    ``_attend_block`` (``arguments[-1]``: whether it is shifted)."""
+    from attnx_backends import numpy_attention
+
+    calls = []
+    original = numpy_attention._attend_block
+
+    def recording(*arguments):
+        calls.append(record(*arguments))
+        return original(*arguments)
+
+    monkeypatch.setattr(numpy_attention, "_attend_block", recording)
+    return calls
 
 
 TOLERANCE = {"float32": {"rtol": 2e-5, "atol": 2e-6}, "float64": {"rtol": 1e-10, "atol": 1e-12}}
@@ -397,14 +404,7 @@ def test_wide_causal_tasks_attend_their_rows_in_blocks(monkeypatch, length):
         k *= length / np.linalg.norm(k, axis=-1, keepdims=True)
     # One thread, and a budget for 16 slices a task: tasks aren't split for threads.
     monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 1)
-    blocks = []
-    original = numpy_attention._attend_block
-
-    def recording(query, *args):
-        blocks.append((query.shape[0], query.shape[1]))
-        return original(query, *args)
-
-    monkeypatch.setattr(numpy_attention, "_attend_block", recording)
+    blocks = _recorded_blocks(monkeypatch, lambda query, *args: query.shape[:2])
     with attnx.memory_budget(64 * 2**20):
         got = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert {rows for slices, rows in blocks} == {64, 36}, blocks
@@ -466,20 +466,15 @@ def test_causal_calls_of_a_task_a_thread_attend_spans_of_rows_over_every_slice(m
     every slice, rows 0-78 to the keys up to their diagonal and rows 79-127
     to all of them, of about equal work (m > n: the diagonal moves by m -
     n), and computes the reference's attention."""
-    from attnx_backends import numpy_attention
-
     rng = np.random.default_rng(4)
     q = rng.standard_normal((1, 8, n, 64)).astype(dtype)
     k, v = (rng.standard_normal((1, 8, m, 64)).astype(dtype) for _ in range(2))
     monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 2)
-    blocks = []
-    original = numpy_attention._attend_block
 
-    def recording(query, key_t, value, output, totals, scale, is_causal, r0, *args):
-        blocks.append((query.shape[0], r0, r0 + query.shape[1]))
-        return original(query, key_t, value, output, totals, scale, is_causal, r0, *args)
+    def span(query, key_t, value, output, totals, scale, is_causal, r0, *rest):
+        return query.shape[0], r0, r0 + query.shape[1]
 
-    monkeypatch.setattr(numpy_attention, "_attend_block", recording)
+    blocks = _recorded_blocks(monkeypatch, span)
     got = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert sorted(blocks) == sorted((8, r0, r1) for r0, r1 in spans)
     np.testing.assert_allclose(got, _reference(q, k, v, is_causal=True), **TOLERANCE[dtype])
@@ -491,19 +486,10 @@ def test_causal_spans_run_again_shifted_where_a_slice_overflows_unshifted(monkey
     largest exponential (entry 1, queries and keys pointing the same way),
     each span whose rows overflow runs again, shifted, and every slice comes
     out right; the spans of a call with ordinary scores run once."""
-    from attnx_backends import numpy_attention
-
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal((2, 4, 128, 64)).astype(np.float32) for _ in range(3))
     monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 2)
-    runs = []
-    original = numpy_attention._attend_block
-
-    def recording(*args):
-        runs.append(args[-1])  # shifted
-        return original(*args)
-
-    monkeypatch.setattr(numpy_attention, "_attend_block", recording)
+    runs = _recorded_blocks(monkeypatch, lambda *args: args[-1])  # shifted
     attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert runs == [False, False]
     runs.clear()
