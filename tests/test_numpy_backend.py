@@ -480,6 +480,30 @@ def test_causal_calls_of_a_task_a_thread_attend_spans_of_rows_over_every_slice(m
     np.testing.assert_allclose(got, _reference(q, k, v, is_causal=True), **TOLERANCE[dtype])
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(64, 300),
+    extra_keys=st.integers(0, 100),
+    heads=st.integers(1, 16),
+    threads=st.integers(2, 4),
+    d=st.sampled_from([8, 64]),
+)
+def test_causal_calls_on_any_threads_equal_the_reference(n, extra_keys, heads, threads, d):
+    """Causal calls of every plan the threads give (spans, tasks of rows,
+    blocks of MIN_ROWS inside them) compute the reference's attention."""
+    rng = np.random.default_rng(n + heads)
+    m = n + extra_keys
+    q = rng.standard_normal((1, heads, n, d))
+    k, v = (rng.standard_normal((1, heads, m, d)) for _ in range(2))
+    backend = attnx._registry.get("numpy")
+    before, backend.concurrent_blocks = backend.concurrent_blocks, threads
+    try:
+        got = attnx.scaled_dot_product_attention(q, k, v, is_causal=True)
+    finally:
+        backend.concurrent_blocks = before
+    np.testing.assert_allclose(got, _reference(q, k, v, is_causal=True), **TOLERANCE["float64"])
+
+
 @pytest.mark.filterwarnings("error")  # nothing of the unshifted run reaches the user
 def test_causal_spans_run_again_shifted_where_a_slice_overflows_unshifted(monkeypatch):
     """A span covers every slice: where one slice's scores are beyond the
