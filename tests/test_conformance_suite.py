@@ -6,6 +6,8 @@ import subprocess
 
 import pytest
 
+import attnx
+
 BROKEN = '''
 import attnx
 from attnx.attention import sdpa_generic
@@ -33,6 +35,16 @@ class Plugin:
 
 attnx.register_plugin(Plugin(), name="broken-plugin")
 '''
+
+
+@pytest.fixture(autouse=True)
+def _array_libraries_imported_before_pytester():
+    """The backends' array libraries imported (by listing the backends and
+    their devices) before ``pytester`` snapshots ``sys.modules``: it gives
+    them back as it found them, dropping what its test imported, and
+    importing PyTorch's or jaxlib's extension a second time in one process
+    crashes it (jaxlib aborts: absl's logging initialised twice)."""
+    attnx.list_backends()
 
 
 def _sdpa_suite_on_broken(pytester, plugin_source, *options):
