@@ -4,7 +4,7 @@ Run it on NumPy, PyTorch, CuPy or any array library that a backend plugin
 registers through the ``attnx.backends`` entry-point group.
 """
 
-from attnx import blocks, masks, mods
+from attnx import blocks, masks, mods, natives
 from attnx._config import get_backend, get_memory_budget, memory_budget, set_backend, set_memory_budget, use_backend
 from attnx._registry import BackendInfo
 from attnx._registry import registry as _registry
@@ -49,6 +49,7 @@ __all__ = [
     "create_block_mask",
     "flex_attention",
     "mods",
+    "natives",
     "or_masks",
     "bahdanau_context",
     "causal_conv1d",

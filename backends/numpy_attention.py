@@ -43,11 +43,11 @@ from typing import Any
 import array_api_compat.numpy as xp
 import numpy as np
 
-from attnx import _masking, get_memory_budget
+from attnx import get_memory_budget, natives
 
 # The same thresholds as the generic algorithm's (measured there): blocks
 # of at least MIN_ROWS query rows, at most KEY_CHUNK keys.
-from attnx.attention import KEY_CHUNK, MIN_ROWS, choose_chunks
+from attnx.natives import KEY_CHUNK, MIN_ROWS
 
 #: Query rows per task at most: more rows per task means fewer tasks to share
 #: among threads, and for causal masks more work spent above the diagonal.
@@ -317,9 +317,7 @@ def call_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any] 
     def plan(query: Any, key: Any, value: Any) -> Any:
         chunks = None
         if small:  # attnx's one rule for when scores need blocks, asked at each call
-            chunks = choose_chunks(
-                xp, dtype, n, m, batch_shape, None, False, is_causal, backend.concurrent_blocks, backend.block_bytes
-            )
+            chunks = natives.planned_chunks(backend, dtype, n, m, batch_shape, is_causal=is_causal)
             if chunks is None:
                 return _attend_small(query, key, value, scale, is_causal)
         return scaled_dot_product_attention(
@@ -457,7 +455,9 @@ def _band(n: int, m: int, r0: int, r1: int, b0: int, c1: int, dtype: Any) -> Any
     geometry = (r1 - r0, c1 - b0, r0 + m - n - b0, dtype)
     band = _bands.get(geometry)
     if band is None:
-        past = _masking.causal(xp, n, m, rows=(r0, r1), cols=(b0, c1))
+        past = natives.combined_mask(
+            xp, mask=None, key_lengths=None, is_causal=True, batch_shape=(), n=n, m=m, rows=(r0, r1), cols=(b0, c1)
+        )
         band = ~past if dtype is bool else past.astype(dtype)
         if band.size <= BAND_ITEMS:
             band.flags.writeable = False

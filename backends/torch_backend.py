@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from attnx import Backend, _checks, _masking, hookimpl
+from attnx import Backend, hookimpl, natives
 
 
 class TorchBackend(Backend):
@@ -142,7 +142,7 @@ def _scaled_dot_product_attention(
         # and its microsecond is small beside building the mask.
         import array_api_compat.torch as xp
 
-        allowed, additive = _masking.combine(
+        attn_mask = natives.combined_mask(
             xp,
             mask=mask,
             key_lengths=key_lengths,
@@ -153,7 +153,6 @@ def _scaled_dot_product_attention(
             dtype=query.dtype,
             device=query.device,
         )
-        attn_mask = allowed if additive is None else _masking.as_additive(xp, allowed, additive, query.dtype)
         is_causal = False
     return _kernel(query.shape, key.shape, value.shape, leading, is_causal, scale)(query, key, value, attn_mask)
 
@@ -177,7 +176,9 @@ def _leading_shape(query: Any, key: Any, value: Any, batch_shape: Any) -> Any:
     q_shape, k_shape = query.shape, key.shape  # torch.Size: tuples already
     leading = q_shape[:-2]
     if not leading == k_shape[:-2] == value.shape[:-2]:
-        leading = tuple(batch_shape or _checks.broadcast("", {"q": leading, "k": k_shape[:-2], "v": value.shape[:-2]}))
+        import torch
+
+        leading = tuple(batch_shape or torch.broadcast_shapes(leading, k_shape[:-2], value.shape[:-2]))
     if q_shape[-2] == 0 or k_shape[-2] == 0 or 0 in leading:
         return None
     return leading
@@ -251,7 +252,7 @@ FLEX_DTYPES = ("float32", "float16", "bfloat16")
 
 def _compiles_on_cuda(query: Any, value: Any, block_mask: Any) -> bool:
     """Whether PyTorch's compiled FlexAttention takes this call on CUDA."""
-    if _checks.dtype_name(query) not in FLEX_DTYPES:
+    if str(query.dtype).removeprefix("torch.") not in FLEX_DTYPES:
         return False
     if min(query.shape[-1], value.shape[-1]) < FLEX_MIN_HEAD_DIM:
         return False

@@ -1,0 +1,115 @@
+"""attnx.natives: the rules a backend's native implementation shares with
+attnx, against the conformance kit's references."""
+
+from __future__ import annotations
+
+import contextlib
+
+import array_api_compat.numpy as xp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import attnx
+from attnx import natives
+from attnx_conformance import reference
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 7),
+    m=st.integers(1, 7),
+    batch=st.integers(1, 3),
+    is_causal=st.booleans(),
+    with_lengths=st.booleans(),
+    mask_kind=st.sampled_from([None, "bool", "real"]),
+    block=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_combined_mask_is_the_reference_s_rule_as_one_array(
+    n, m, batch, is_causal, with_lengths, mask_kind, block, seed
+):
+    """Boolean where every mask is, else real: the additive mask where the
+    boolean rules allow a key, -inf where they don't; None with no mask; the
+    block of rows and keys asked for."""
+    rng = np.random.default_rng(seed)
+    key_lengths = rng.integers(0, m + 1, size=batch) if with_lengths else None
+    mask = None
+    if mask_kind == "bool":
+        mask = rng.random((batch, n, m)) < 0.7
+    elif mask_kind == "real":
+        mask = rng.standard_normal((batch, n, m)).astype(np.float32)
+    rows, cols = ((n // 2, n), (m // 3, m)) if block else (None, None)
+    got = natives.combined_mask(
+        xp,
+        mask=mask,
+        key_lengths=key_lengths,
+        is_causal=is_causal,
+        batch_shape=(batch,),
+        n=n,
+        m=m,
+        dtype=np.float32,
+        rows=rows,
+        cols=cols,
+    )
+    if mask is None and key_lengths is None and not is_causal:
+        assert got is None
+        return
+    allowed = reference.allowed_mask(
+        n,
+        m,
+        batch_shape=(batch,),
+        mask=mask if mask_kind == "bool" else None,
+        key_lengths=key_lengths,
+        lengths_per="batch",
+        is_causal=is_causal,
+    )
+    if mask_kind == "real":
+        expected = np.where(allowed, mask, -np.inf).astype(np.float32)
+    else:
+        expected = allowed
+    r0, r1 = rows or (0, n)
+    c0, c1 = cols or (0, m)
+    expected = expected[..., r0:r1, c0:c1]
+    assert got.dtype == expected.dtype
+    np.testing.assert_array_equal(np.broadcast_to(got, expected.shape), expected)
+
+
+def test_combined_mask_takes_a_real_mask_s_dtype_by_default():
+    mask = np.zeros((2, 3), dtype=np.float64)
+    got = natives.combined_mask(xp, mask=mask, key_lengths=None, is_causal=True, batch_shape=(), n=2, m=3)
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, [[0, 0, -np.inf], [0, 0, 0]])
+
+
+@pytest.mark.parametrize(
+    "shape, budget, threads",
+    [((1, 2, 16, 8), None, 1), ((4, 8, 256, 16), 2**18, 1), ((1, 8, 128, 16), None, 2)],
+    ids=["fits", "over-budget", "shared-by-threads"],
+)
+def test_planned_chunks_are_the_chunks_attnx_hands_a_native(monkeypatch, shape, budget, threads):
+    """What a native receives as ``chunks`` for a call, ``planned_chunks``
+    gives for the same sizes: None where the scores fit the budget and are
+    not shared among threads, else blocks within the budget."""
+    backend = attnx._registry.get("numpy")
+    monkeypatch.setattr(backend, "concurrent_blocks", threads)
+    received = []
+    native = backend.implementations()["scaled_dot_product_attention"]
+
+    def recording(**arguments):
+        received.append(arguments["chunks"])
+        return native(**arguments)
+
+    monkeypatch.setattr(backend, "_natives", {"scaled_dot_product_attention": recording})
+    monkeypatch.setattr(backend, "specialize", lambda operation, arguments: None)
+    q = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    with attnx.memory_budget(budget) if budget else contextlib.nullcontext():
+        attnx.scaled_dot_product_attention(q, q, q)
+        planned = natives.planned_chunks(backend, q.dtype, shape[-2], shape[-2], shape[:-2])
+    assert received == [planned]
+    if budget is None and threads == 1:
+        assert planned is None
+    else:
+        query_chunk, key_chunk = planned
+        assert query_chunk * key_chunk * 4 <= (budget or backend.block_bytes)
