@@ -179,9 +179,6 @@ def scaled_dot_product_attention(
         q = _as_slices(query, batch_shape, slices)
     k, v = _as_slices(key, batch_shape, slices), _as_slices(value, batch_shape, slices)
     output = np.empty((slices, n, d_v), dtype=dtype)
-    per_task, rows, key_chunk = plan(slices, n, m, dtype.itemsize, is_causal, threads, budget)
-    if chunk_size is not None:
-        (rows, key_chunk), per_task = chunks, 1
     # Causal calls of one task a thread (see plan) take spans of rows of
     # equal work over every slice, where a thread's share of the budget
     # holds a span's scores.
@@ -199,6 +196,9 @@ def scaled_dot_product_attention(
         per_task, rows, key_chunk = slices, max(r1 - r0 for r0, r1 in spans), min(m, KEY_CHUNK)
         inner_rows = n
     else:
+        per_task, rows, key_chunk = plan(slices, n, m, dtype.itemsize, is_causal, threads, budget)
+        if chunk_size is not None:
+            (rows, key_chunk), per_task = chunks, 1
         # Causal tasks near the end of the sequence cost the most: start them
         # first, so that the last tasks to finish are short.
         tasks = [
