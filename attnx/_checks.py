@@ -204,9 +204,10 @@ def require_known(operation: str, needed_by: str, named: dict[str, Any], axes: t
                 )
 
 
-def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
-    """Broadcast shapes, or a ValueError naming the arguments that clash.
-    An unknown size (:func:`is_unknown`) stays unknown and clashes with none."""
+def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]], what: str = "shapes") -> tuple[int, ...]:
+    """Broadcast shapes, or a ValueError naming the arguments that clash
+    (``what`` says which part of their shapes these are).  An unknown size
+    (:func:`is_unknown`) stays unknown and clashes with none."""
     shapes = list(named_shapes.values())
     first = shapes[0]
     if all(shape == first for shape in shapes):
@@ -222,12 +223,14 @@ def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]]) -> tuple
                     continue
                 if result[axis] not in (1, size):
                     described = ", ".join(f"{name} {tuple(s)}" for name, s in named_shapes.items())
-                    raise ValueError(f"{operation}: shapes do not broadcast: {described}")
+                    raise ValueError(f"{operation}: {what} do not broadcast: {described}")
                 result[axis] = size
     return tuple(result)
 
 
 QKV = ("query", "key", "value")
+#: What :func:`broadcast` compares in attention: the shapes before ``(n, d)``.
+LEADING = "leading shapes (...)"
 
 
 def leading_shape(
@@ -236,7 +239,7 @@ def leading_shape(
     """The broadcast leading shape ``(...)`` of ``query (..., n, d)``,
     ``key (..., m, d)`` and ``value (..., m, d_v)``, or a ValueError naming
     them (as ``names`` says the caller's arguments are called)."""
-    return broadcast(operation, dict(zip(names, (query.shape[:-2], key.shape[:-2], value.shape[:-2]))))
+    return broadcast(operation, dict(zip(names, (query.shape[:-2], key.shape[:-2], value.shape[:-2]))), LEADING)
 
 
 def require_query_key_value(

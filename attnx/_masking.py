@@ -109,9 +109,22 @@ def check_mask(operation: str, xp: Any, mask: Any, batch_shape: tuple[int, ...],
             f"floating (added to the scores), got dtype {dtype_name(mask)}"
         )
     target = (*batch_shape, n, m)
-    if broadcast(operation, {"mask": shape_of(mask), "scores": target}) != target:
+    try:
+        fits = broadcast(operation, {"mask": shape_of(mask), "scores": target}) == target
+    except ValueError:
+        fits = False
+    if not fits:
         raise ValueError(
             f"{operation}: mask must broadcast to the scores' shape (..., n, m) = {target}, got shape {shape_of(mask)}"
+        )
+    # A real mask is added to the scores: +inf or NaN there makes its rows
+    # NaN (inf - inf), which masking must never give.  Traced and lazy masks
+    # are checked by their shape and dtype only, as key_lengths are.
+    if kind == "float" and values_known(mask) and bool(xp.any(~(mask < float("inf")))):
+        found = "NaN" if bool(xp.any(xp.isnan(mask))) else "+inf"
+        raise ValueError(
+            f"{operation}: a real mask is added to the scores and must hold finite values or -inf "
+            f"(forbidden), got {found}"
         )
 
 

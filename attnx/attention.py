@@ -259,7 +259,9 @@ def check_attention_inputs(
         raise ValueError(f"{operation}: value must have shape (..., m, d_v) with m = {m} (from key), got {v_shape}")
     batch_shape = q_shape[:-2]
     if not batch_shape == k_shape[:-2] == v_shape[:-2]:
-        batch_shape = _checks.broadcast(operation, {"query": batch_shape, "key": k_shape[:-2], "value": v_shape[:-2]})
+        batch_shape = _checks.broadcast(
+            operation, {"query": batch_shape, "key": k_shape[:-2], "value": v_shape[:-2]}, _checks.LEADING
+        )
     if mask is not None or key_lengths is not None:
         _checks.require_known(
             operation, "a mask", {"query": query, "key": key, "value": value, "mask": mask, "key_lengths": key_lengths}

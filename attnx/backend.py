@@ -134,8 +134,8 @@ class Backend:
         False for arrays being traced (``jax.jit``, ``torch.compile``,
         vectorizing maps) and for lazy ones (Dask): attnx then skips the checks
         that need values (``key_lengths`` within ``[0, m]``, a finite
-        ``scale``), since reading them would fail, break the trace or compute
-        the graph.  The default asks :func:`array_api_compat.is_lazy_array`.
+        ``scale``, a real mask free of ``+inf`` and NaN), since reading them
+        would fail, break the trace or compute the graph.  The default asks :func:`array_api_compat.is_lazy_array`.
         """
         from array_api_compat import is_lazy_array
 

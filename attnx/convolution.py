@@ -113,7 +113,7 @@ def receptive_field(kernel_size: int | Sequence[int], dilations: Sequence[int]) 
     op = "receptive_field"
     if not isinstance(dilations, (list, tuple)):
         raise TypeError(f"{op}: dilations must be a list of positive integers, got {type(dilations).__name__}")
-    dilations = [_checks.require_positive_int(op, "dilations[]", d) for d in dilations]
+    dilations = [_checks.require_positive_int(op, f"dilations[{i}]", d) for i, d in enumerate(dilations)]
     if isinstance(kernel_size, (list, tuple)):
         sizes = list(kernel_size)
         if len(sizes) != len(dilations):

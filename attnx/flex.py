@@ -532,7 +532,9 @@ def _check_flex_inputs(
             f"{operation}: key and value must have the query's H = {heads} heads, got H_kv = {kv_heads} "
             f"(pass enable_gqa=True for grouped-query attention)"
         )
-    batch = _checks.broadcast(operation, {"query": (batch,), "key": (key.shape[0],), "value": (value.shape[0],)})[0]
+    batch = _checks.broadcast(
+        operation, {"query": (batch,), "key": (key.shape[0],), "value": (value.shape[0],)}, "batch sizes B"
+    )[0]
     return batch, heads, n, m
 
 

@@ -128,7 +128,7 @@ def apply_rotary(x: Any, positions: Any = None, *, base: float = 10000.0, backen
                 f"{op}: positions must have shape (..., n) with n = {n}, got {_checks.shape_of(positions)}"
             )
         lead = tuple(x.shape[:-2])
-        if _checks.broadcast(op, {"positions": positions.shape[:-1], "x": lead}) != lead:
+        if _checks.broadcast(op, {"positions": positions.shape[:-1], "x": lead}, _checks.LEADING) != lead:
             raise ValueError(
                 f"{op}: positions must broadcast to x's shape (..., n) = {(*lead, n)}, got {_checks.shape_of(positions)}"
             )

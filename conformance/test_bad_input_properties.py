@@ -98,7 +98,7 @@ def sdpa_call(draw):
         "query": "array",
         "key": "array",
         "value": "array",
-        "mask": "optional_array",
+        "mask": "mask",
         "key_lengths": "optional_array",
         "is_causal": "flag",
         "scale": "scale",
@@ -136,7 +136,7 @@ def sdpa_call(draw):
 def masked_softmax_call(draw):
     shape = _dims(draw, draw(st.integers(1, 3)))
     arguments = {"scores": _array(draw, shape), "mask": None, "axis": draw(st.integers(-len(shape), len(shape) - 1))}
-    kinds = {"scores": "array", "mask": "optional_array", "axis": "axis"}
+    kinds = {"scores": "array", "mask": "mask", "axis": "axis"}
 
     def expected(scores, mask, axis):
         moved = np.moveaxis(scores, axis, -1)
@@ -384,11 +384,17 @@ NOT_ARRAYS = st.sampled_from(["text", 3, 2.5, [1.0, 2.0], {"a": 1}, object()])
 
 
 @st.composite
-def corrupted(draw, kind, value):
-    """A wrong (or surprising but valid) replacement for one argument."""
-    if kind in ("array", "optional_array"):
-        how = draw(st.sampled_from(["rank", "empty", "dtype", "not_an_array"] + (["none"] if kind == "array" else [])))
+def corrupted(draw, kind, value, lazy=False):
+    """A wrong (or surprising but valid) replacement for one argument;
+    ``lazy``: the backend's values are not read, so not corrupted either."""
+    if kind in ("array", "optional_array", "mask"):
+        ways = ["rank", "empty", "dtype", "not_an_array"] + (["none"] if kind == "array" else [])
+        how = draw(st.sampled_from(ways + (["not_finite"] if kind == "mask" and not lazy else [])))
         shape = tuple(np.shape(value)) if value is not None else (2, 2)
+        if how == "not_finite":  # a real mask holding +inf or NaN: added to the scores, it would give NaN
+            data = _array(draw, shape).ravel()
+            data[draw(st.integers(0, max(0, data.size - 1)))] = draw(st.sampled_from([math.inf, math.nan]))
+            return data.reshape(shape)
         if how == "rank":
             shape = _dims(draw, draw(st.integers(0, 5)), 1, 3)
         elif how == "empty":
@@ -481,7 +487,7 @@ def test_bad_input_is_named_or_the_answer_is_right(attnx_backend, operation):
         arguments = dict(call.arguments)
         corrupt = data.draw(st.sampled_from([None, *call.kinds]), label="argument to corrupt")
         if corrupt is not None:
-            arguments[corrupt] = data.draw(corrupted(call.kinds[corrupt], arguments[corrupt]), label=corrupt)
+            arguments[corrupt] = data.draw(corrupted(call.kinds[corrupt], arguments[corrupt], be.lazy), label=corrupt)
         sent = {
             name: value if name in call.plain else _on_backend(be, value, dtype) for name, value in arguments.items()
         }

@@ -38,9 +38,12 @@ CASES = [
     ("lengths shape", {"key_lengths": ((4,), "int64")}, ValueError, ["key_lengths", "(4,)"]),
     ("lengths too large", {"key_lengths": (np.array([5, 6]), None)}, ValueError, ["key_lengths", "[0, m]", "6"]),
     ("negative lengths", {"key_lengths": (np.array([-1, 2]), None)}, ValueError, ["key_lengths", "-1"]),
+    # A real mask is added to the scores: +inf or NaN there would make rows NaN.
+    ("mask +inf", {"mask": (np.where(np.eye(3, 5) > 0, np.inf, 0).astype(F), None)}, ValueError, ["mask", "+inf"]),
+    ("mask NaN", {"mask": (np.where(np.eye(3, 5) > 0, np.nan, 0).astype(F), None)}, ValueError, ["mask", "NaN"]),
 ]
 #: Cases found by reading values: lazy arrays' values are not read (that would compute them).
-VALUE_CASES = {"lengths too large", "negative lengths"}
+VALUE_CASES = {"lengths too large", "negative lengths", "mask +inf", "mask NaN"}
 
 
 def _build(be, spec):
