@@ -386,7 +386,8 @@ def call_score_mod(
     if result.dtype != scores.dtype:
         raise TypeError(
             f"{operation}: score_mod must return scores of their own dtype {_checks.dtype_name(scores)}, got "
-            f"{_checks.dtype_name(result)} (cast what it closes over to {_checks.dtype_name(scores)})"
+            f"{_checks.dtype_name(result)}: a term of the integer indices or a value it closes over promoted "
+            f"them (NumPy makes float32 with int64 float64); cast such terms, e.g. xp.astype(q_idx - kv_idx, score.dtype)"
         )
     return result if tuple(result.shape) == tile else xp.broadcast_to(result, tile)
 
