@@ -207,7 +207,9 @@ def require_known(operation: str, needed_by: str, named: dict[str, Any], axes: t
 def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]], what: str = "shapes") -> tuple[int, ...]:
     """Broadcast shapes, or a ValueError naming the arguments that clash
     (``what`` says which part of their shapes these are).  An unknown size
-    (:func:`is_unknown`) stays unknown and clashes with none."""
+    (:func:`is_unknown`) broadcasts against 1 and another unknown size (it
+    stays unknown), not against a known one: no library can line up the
+    blocks of the two (Dask's chunks) before both are computed."""
     shapes = list(named_shapes.values())
     first = shapes[0]
     if all(shape == first for shape in shapes):
@@ -216,15 +218,18 @@ def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]], what: st
     result = [1] * ndim
     for shape in shapes:
         for axis, size in enumerate(shape, start=ndim - len(shape)):
-            if size != 1:
-                if not known(size, result[axis]):  # keep the size that is known, if one is
-                    if known(size) or result[axis] == 1:
-                        result[axis] = size
-                    continue
-                if result[axis] not in (1, size):
-                    described = ", ".join(f"{name} {tuple(s)}" for name, s in named_shapes.items())
-                    raise ValueError(f"{operation}: {what} do not broadcast: {described}")
-                result[axis] = size
+            if size == 1:
+                continue
+            if result[axis] != 1 and known(size) != known(result[axis]):
+                described = ", ".join(f"{name} {tuple(s)}" for name, s in named_shapes.items())
+                raise ValueError(
+                    f"{operation}: {what} can't be broadcast while a size is unknown: {described}; "
+                    f"compute the sizes first (Dask: array.compute_chunk_sizes())"
+                )
+            if known(size, result[axis]) and result[axis] not in (1, size):
+                described = ", ".join(f"{name} {tuple(s)}" for name, s in named_shapes.items())
+                raise ValueError(f"{operation}: {what} do not broadcast: {described}")
+            result[axis] = size
     return tuple(result)
 
 

@@ -126,6 +126,20 @@ def test_unknown_sizes_where_they_are_needed_are_named(call, words):
         assert word in str(info.value)
 
 
+def test_an_unknown_size_broadcasts_against_one_not_against_a_known_size():
+    q, k, v = _inputs((6, 10, 8), (6, 12, 8), 5, seed=6)
+    lazy = [da.from_array(a, chunks=(2, 3, 8)) for a in (q, k, v)]
+    sequences = np.array([1, 0, 1, 1, 0, 1], bool)
+    picked = lazy[0][da.from_array(sequences, chunks=2)]
+    # Dask can't line up chunks of unknown size with known ones: named by attnx, not by dask's unify_chunks.
+    with pytest.raises(ValueError, match="compute_chunk_sizes") as info:
+        attnx.scaled_dot_product_attention(picked, lazy[1], lazy[2])
+    assert "leading shapes (...)" in str(info.value) and "query (nan,)" in str(info.value)
+    assert "key (6,)" in str(info.value)
+    output = attnx.scaled_dot_product_attention(picked, lazy[1][:1], lazy[2][:1])
+    np.testing.assert_allclose(output.compute(), _reference(q[sequences], k[:1], v[:1]), rtol=1e-10)
+
+
 def test_kernel_regression_over_many_chunks_of_training_data():
     gen = np.random.default_rng(5)
     size = 1_000_000
