@@ -70,13 +70,13 @@ def set_memory_budget(nbytes: int | None) -> None:
     chunked, memory-efficient algorithm.
     """
     global _process_budget
-    _process_budget = _budget(nbytes) if nbytes is not None else None
+    _process_budget = _budget("set_memory_budget", nbytes) if nbytes is not None else None
 
 
 @contextmanager
 def memory_budget(nbytes: int) -> Iterator[None]:
     """The memory budget for score matrices inside a ``with`` block."""
-    token = _context_budget.set(_budget(nbytes))
+    token = _context_budget.set(_budget("memory_budget", nbytes))
     try:
         yield
     finally:
@@ -103,9 +103,13 @@ def get_memory_budget(backend: str | Backend | None = None) -> int:
     return (registry.get(backend) if isinstance(backend, str) else backend).block_bytes
 
 
-def _budget(nbytes: int) -> int:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-        raise ValueError(f"memory budget must be a positive number of bytes, got {nbytes!r}")
+def _budget(operation: str, nbytes: int) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+        raise TypeError(
+            f"{operation}: the memory budget must be an integer number of bytes, got {nbytes!r} ({type(nbytes).__name__})"
+        )
+    if nbytes <= 0:
+        raise ValueError(f"{operation}: the memory budget must be a positive number of bytes, got {nbytes}")
     return nbytes
 
 

@@ -22,12 +22,14 @@ from attnx._checks import broadcast, device_of, dtype_kind, dtype_name, shape_of
 Align = Literal["bottom_right", "top_left"]
 
 
+def check_align(operation: str, align: Any) -> None:
+    if align not in ("bottom_right", "top_left"):
+        raise ValueError(f"{operation}: align must be 'bottom_right' or 'top_left', got {align!r}")
+
+
 def _offset(n: int, m: int, align: str) -> int:
-    if align == "bottom_right":
-        return m - n
-    if align == "top_left":
-        return 0
-    raise ValueError(f"align must be 'bottom_right' or 'top_left', got {align!r}")
+    check_align("attnx.masks", align)
+    return m - n if align == "bottom_right" else 0
 
 
 Span = tuple[int, int]

@@ -40,7 +40,7 @@ def causal(
     n = _checks.require_positive_int("causal", "n", n, allow_zero=True)
     m = n if m is None else _checks.require_positive_int("causal", "m", m, allow_zero=True)
     _checks.require_size("causal", "n x m", n, m)
-    _masking._offset(n, m, align)
+    _masking.check_align("causal", align)
     chosen, _, device = _dispatch.resolve_creation("causal", backend, device)
     return _masking.causal(chosen.xp, n, m, align=align, device=device)
 
@@ -78,7 +78,7 @@ def sliding_window(
         raise ValueError(f"{operation}: window must be an int or a (left, right) pair, got {window!r}")
     left = None if left is None else _checks.require_positive_int(operation, "window (left)", left, allow_zero=True)
     right = None if right is None else _checks.require_positive_int(operation, "window (right)", right, allow_zero=True)
-    _masking._offset(n, m, align)
+    _masking.check_align(operation, align)
     chosen, _, device = _dispatch.resolve_creation(operation, backend, device)
     return _masking.window(chosen.xp, n, m, left, right, align=align, device=device)
 

@@ -72,8 +72,12 @@ def test_budget_and_explicit_chunk_size():
     assert chunks((1, 1, 16, 16), chunk_size=4) == (4, 16)
     assert chunks((1, 1, 16, 16), chunk_size=(4, 8)) == (4, 8)
     assert chunks((1, 1, 2048, 64), return_weights=True) is None
-    with pytest.raises(ValueError, match="memory budget must be a positive number of bytes"):
+    with pytest.raises(ValueError, match="set_memory_budget: the memory budget must be a positive number of bytes"):
         attnx.set_memory_budget(0)
+    with pytest.raises(
+        TypeError, match=r"memory_budget: the memory budget must be an integer number of bytes, got '1GB'"
+    ):
+        attnx.memory_budget("1GB").__enter__()
 
 
 def test_a_backends_block_size_is_its_default_budget():
