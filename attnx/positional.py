@@ -86,7 +86,9 @@ def _sinusoidal_generic(xp: Any, *, num_positions: int, dim: int, base: float, d
     return xp.astype(table, dtype)
 
 
-def apply_rotary(x: Any, positions: Any = None, *, base: float = 10000.0, backend: str | None = None) -> Any:
+def apply_rotary(
+    x: Any, positions: Any = None, *, base: float = 10000.0, interleaved: bool = True, backend: str | None = None
+) -> Any:
     r"""Rotary position embedding (RoPE, Su et al. 2021) of ``x``.
 
     Each pair of features ``(x_{2j}, x_{2j+1})`` at position ``p`` is rotated
@@ -101,6 +103,12 @@ def apply_rotary(x: Any, positions: Any = None, *, base: float = 10000.0, backen
     positions : array, shape (n,) or broadcastable to (..., n), optional
         Integer or real positions; ``0, 1, ..., n-1`` by default.
     base : float
+    interleaved : bool
+        True (the paper's, RoFormer's and GPT-J's layout): the pairs are
+        adjacent features ``(x_{2j}, x_{2j+1})``.  False (GPT-NeoX's and
+        LLaMA's in Hugging Face ``transformers``, "rotate_half", flash-attn's
+        default): the pairs are ``(x_j, x_{j+d/2})``, at the same angles.
+        Weights trained with one layout give other scores with the other.
 
     Returns
     -------
@@ -110,7 +118,9 @@ def apply_rotary(x: Any, positions: Any = None, *, base: float = 10000.0, backen
     -----
     Native implementations (:meth:`attnx.Backend.implementations`) are
     called with the keyword arguments ``x``, ``positions`` and ``base``,
-    after validation.
+    after validation, and rotate interleaved pairs: with
+    ``interleaved=False`` they receive the halves' features interleaved, and
+    attnx puts them back.
     """
     op = "apply_rotary"
     chosen, reason = _dispatch.resolve(op, backend, ("x", "positions"), (x, positions), 1)
@@ -133,7 +143,19 @@ def apply_rotary(x: Any, positions: Any = None, *, base: float = 10000.0, backen
                 f"{op}: positions must broadcast to x's shape (..., n) = {(*lead, n)}, got {_checks.shape_of(positions)}"
             )
     base = _positive_base(op, base)
-    return _dispatch.call(op, chosen, reason, _rotary_generic, {"x": x, "positions": positions, "base": base})
+    if interleaved := _checks.require_flag(op, "interleaved", interleaved):
+        return _dispatch.call(op, chosen, reason, _rotary_generic, {"x": x, "positions": positions, "base": base})
+    if d == 0:  # no feature to rotate
+        return x
+    # The pairs (x_j, x_{j+d/2}) side by side, rotated by the one rule, and
+    # back: gathers of the features (exact), where Dask's stack and reshape
+    # refuse leading sizes it doesn't know yet.
+    half, features = d // 2, xp.arange(d, device=_checks.device_of(x))
+    side_by_side = xp.take(x, features // 2 + (features % 2) * half, axis=-1)  # x_0, x_h, x_1, x_h+1, ...
+    rotated = _dispatch.call(
+        op, chosen, reason, _rotary_generic, {"x": side_by_side, "positions": positions, "base": base}
+    )
+    return xp.take(rotated, 2 * (features % half) + features // half, axis=-1)
 
 
 def _rotary_generic(xp: Any, *, x: Any, positions: Any, base: float) -> Any:
@@ -146,12 +168,16 @@ def _rotary_generic(xp: Any, *, x: Any, positions: Any, base: float) -> Any:
         positions = xp.arange(n, dtype=compute, device=device)
     else:
         positions = xp.astype(positions, compute)
-    angles = positions[..., None] * _frequencies(xp, d // 2, d, base, compute, device)  # (..., n, d/2)
+    # Per feature: features 2j and 2j + 1 turn by p * base^(-2j/d), each with
+    # the other as its partner.  A gather of the partners, not a stack of the
+    # halves: Dask's stack refuses leading sizes it doesn't know yet.
+    features = xp.arange(d, device=device)
+    frequencies = xp.take(_frequencies(xp, d // 2, d, base, compute, device), features // 2)
+    angles = positions[..., None] * frequencies  # (..., n, d)
     cos, sin = xp.cos(angles), xp.sin(angles)
+    sin = xp.where(features % 2 == 0, -sin, sin)  # x_2j cos - x_2j+1 sin; x_2j+1 cos + x_2j sin
     values = xp.astype(x, compute) if compute != x.dtype else x
-    even, odd = values[..., 0::2], values[..., 1::2]
-    rotated = xp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
-    rotated = xp.reshape(rotated, (*rotated.shape[:-2], d))
+    rotated = values * cos + xp.take(values, xp.bitwise_xor(features, 1), axis=-1) * sin
     return xp.astype(rotated, x.dtype) if compute != x.dtype else rotated
 
 

@@ -184,7 +184,11 @@ def sinusoidal_positions(num_positions, dim, base=10000.0):
     return table
 
 
-def apply_rotary(x, positions=None, base=10000.0):
+def apply_rotary(x, positions=None, base=10000.0, interleaved=True):
+    """RoPE: each pair (x_2j, x_2j+1) rotated by p * base^(-2j/d), a 2x2
+    rotation at a time; ``interleaved=False``: :func:`apply_rotary_halves`."""
+    if not interleaved:
+        return apply_rotary_halves(x, positions, base)
     x = np.asarray(x, dtype=np.float64)
     n, d = x.shape[-2:]
     positions = np.arange(n) if positions is None else np.asarray(positions, dtype=np.float64)
@@ -197,6 +201,21 @@ def apply_rotary(x, positions=None, base=10000.0):
             rotation = np.array([[math.cos(theta), -math.sin(theta)], [math.sin(theta), math.cos(theta)]])
             out[(*index, slice(2 * j, 2 * j + 2))] = rotation @ x[(*index, slice(2 * j, 2 * j + 2))]
     return out
+
+
+def apply_rotary_halves(x, positions=None, base=10000.0):
+    """RoPE in GPT-NeoX's layout, as Hugging Face transformers writes it for
+    LLaMA: ``x * cos(emb) + rotate_half(x) * sin(emb)``, where ``emb`` is the
+    angles ``p * base^(-2j/d)`` repeated for both halves and ``rotate_half(x)
+    = concat(-x[d/2:], x[:d/2])``."""
+    x = np.asarray(x, dtype=np.float64)
+    n, d = x.shape[-2:]
+    positions = np.arange(n) if positions is None else np.asarray(positions, dtype=np.float64)
+    inverse_frequencies = 1.0 / base ** (np.arange(0, d, 2) / d)
+    angles = positions[..., None] * inverse_frequencies
+    emb = np.concatenate([angles, angles], axis=-1)
+    rotate_half = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
+    return x * np.cos(emb) + rotate_half * np.sin(emb)
 
 
 def causal_conv1d(x, weight, bias=None, stride=1, dilation=1):

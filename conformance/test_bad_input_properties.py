@@ -262,12 +262,12 @@ def nadaraya_watson_call(draw):
 def rotary_call(draw):
     n, half = _dims(draw, 2)
     lead = _dims(draw, draw(st.integers(0, 2)))
-    arguments = {"x": _array(draw, (*lead, n, 2 * half)), "positions": None}
+    arguments = {"x": _array(draw, (*lead, n, 2 * half)), "positions": None, "interleaved": draw(st.booleans())}
     return Call(
         attnx.apply_rotary,
         arguments,
-        {"x": "array", "positions": "optional_array"},
-        lambda x, positions: reference.apply_rotary(x, positions),
+        {"x": "array", "positions": "optional_array", "interleaved": "flag"},
+        lambda x, positions, interleaved: reference.apply_rotary(x, positions, interleaved=interleaved),
     )
 
 

@@ -42,13 +42,15 @@ def test_sinusoidal_relative_rotation(attnx_backend):
         ((2, 4, 6), np.array([[0, 1, 2, 3], [10, 11, 12, 13]])),
     ],
 )
-def test_rotary_matches_reference(attnx_backend, shape, positions):
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+def test_rotary_matches_reference(attnx_backend, shape, positions, interleaved):
     be = attnx_backend
     x = rng(50).standard_normal(shape)
     for dtype in be.dtypes:
         pos = None if positions is None else be.array(positions)
-        got = attnx.apply_rotary(be.array(x, dtype), pos)
-        assert_close(got, reference.apply_rotary(be.numpy(be.array(x, dtype)).astype(np.float64), positions), be, dtype)
+        got = attnx.apply_rotary(be.array(x, dtype), pos, interleaved=interleaved)
+        exact = be.numpy(be.array(x, dtype)).astype(np.float64)
+        assert_close(got, reference.apply_rotary(exact, positions, interleaved=interleaved), be, dtype)
 
 
 def test_rotary_scores_depend_only_on_offset(attnx_backend):
@@ -80,6 +82,8 @@ def test_rotary_rejects_odd_width(attnx_backend):
     be = attnx_backend
     with pytest.raises(ValueError, match=r"apply_rotary: x must have an even number of features d, got shape \(3, 5\)"):
         attnx.apply_rotary(be.array(np.zeros((3, 5)), "float32"))
+    with pytest.raises(TypeError, match=r"apply_rotary: interleaved must be True or False, got 'no'"):
+        attnx.apply_rotary(be.array(np.zeros((3, 4)), "float32"), interleaved="no")
 
 
 def test_learned_positions_same_numbers_everywhere(attnx_backend):

@@ -101,6 +101,11 @@ def test_unknown_sizes_where_the_plan_does_not_need_them():
     assert np.isnan(convolved.shape[0])
     expected = attnx.causal_conv1d(signal[sequences], weight, dilation=2)
     np.testing.assert_allclose(convolved.compute(), expected, rtol=1e-12)
+    features = gen.standard_normal((6, 5, 8))
+    picked = da.from_array(features, chunks=(2, 5, 8))[da.from_array(sequences, chunks=2)]
+    for interleaved, expected in [(True, reference.apply_rotary), (False, reference.apply_rotary_halves)]:
+        rotated = attnx.apply_rotary(picked, interleaved=interleaved)
+        np.testing.assert_allclose(rotated.compute(), expected(features[sequences]), rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize(
