@@ -156,13 +156,15 @@ def _run_blocks(function: Callable[[Any], Any], items: list[Any], helpers: list[
             pending.clear()  # the other threads take no more
             raise
 
-    errors = []
     with _one_blas_thread(blas):
-        for helper in helpers:
-            helper.start(drain)
         try:
+            for helper in helpers:
+                helper.start(drain)
             drain()
-        finally:  # the helpers finish before BLAS gets its threads back
+        except BaseException:
+            pending.clear()  # an interrupt between blocks: the helpers take no more
+            raise
+        finally:  # the helpers finish before BLAS gets its threads back, and before the next call
             errors = [error for error in (helper.join() for helper in helpers) if error is not None]
     if errors:
         raise errors[0]
@@ -185,6 +187,7 @@ class _Helper:
         self._done.acquire()
         self._function: Callable[[], None] | None = None
         self._error: BaseException | None = None
+        self._running = False
         threading.Thread(target=self._serve, name=name, daemon=True).start()
 
     def _serve(self) -> None:
@@ -197,15 +200,31 @@ class _Helper:
             self._done.release()
 
     def start(self, function: Callable[[], None]) -> None:
+        # No Python signal handler runs between these statements: CPython
+        # runs them at function entry, loop jumps and after calls, so an
+        # interrupt (KeyboardInterrupt) comes before the first, when nothing
+        # is started, or after the release, when join knows to wait.
         self._function = function
+        self._running = True
         self._go.release()
 
     def join(self) -> BaseException | None:
-        """Wait for the function to return; its error, if it raised one."""
-        _acquire(self._done)
+        """Wait for the function to return; its error, if it raised one, or
+        an interrupt (KeyboardInterrupt) that came meanwhile.  The wait goes
+        on through interrupts: a call that ended before its helper would
+        leave ``_done`` to be released after it, and the next call's join
+        would take that release for its own and return before its blocks
+        were written."""
+        interrupt = None
+        while self._running:
+            try:
+                _acquire(self._done)
+                self._running = False
+            except BaseException as error:  # a signal's exception, raised inside the wait
+                interrupt = interrupt or error
         # Dropped here: the function's closure holds the call's arrays.
         error, self._error, self._function = self._error, None, None
-        return error
+        return interrupt or error
 
 
 def _acquire(lock: threading.Lock) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 import types
@@ -69,6 +70,58 @@ def test_map_blocks_keeps_no_block_alive_after_the_call():
     assert call() == [3.0] * 4
     gc.collect()
     assert all(ref() is None for ref in alive)
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer (POSIX)")
+@pytest.mark.parametrize("interrupt_at", ["join", "start"])
+def test_an_interrupted_call_leaves_no_helper_running_into_the_next(monkeypatch, interrupt_at):
+    """Ctrl-C (KeyboardInterrupt) while the calling thread waits for a
+    helper, or just after it starts one: the call ends only when the helper
+    has, and raises the interrupt.  Were it to return at once, the helper's
+    end would be counted by the next call, which would return before its own
+    blocks were written: outputs left as ``np.empty`` made them."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    backend = NumPyBackend()
+    backend.concurrent_blocks = 2
+    finished = []
+
+    def work(pause):
+        time.sleep(pause)
+        finished.append(pause)
+        return pause
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        if interrupt_at == "start":
+            start = numpy_backend._Helper.start
+
+            def start_then_interrupt(self, function):
+                start(self, function)
+                raise KeyboardInterrupt  # as a signal arriving just after the helper was handed its blocks
+
+            monkeypatch.setattr(numpy_backend._Helper, "start", start_then_interrupt)
+        else:
+            signal.setitimer(signal.ITIMER_REAL, 0.05)  # the calling thread is waiting for the 0.3 s block by then
+        with pytest.raises(KeyboardInterrupt):
+            backend.map_blocks(work, [0.0, 0.3] if interrupt_at == "join" else [0.3] * 4)
+        ended = list(finished)
+        time.sleep(0.4)
+        assert finished == ended, "a block ran on after its call had ended"
+        if interrupt_at == "join":  # the helper had taken its block before the interrupt
+            assert 0.3 in ended
+        else:  # and took no other after it: the interrupt stops the call
+            assert len(ended) <= 1
+        monkeypatch.undo()
+        finished.clear()
+        assert backend.map_blocks(work, [0.0, 0.2, 0.0]) == [0.0, 0.2, 0.0]
+        assert sorted(finished) == [0.0, 0.0, 0.2], "the next call returned before its blocks ended"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_map_blocks_from_two_threads_at_once():
