@@ -214,18 +214,21 @@ class LearnedPositions:
     def __call__(self, positions: int | Any) -> Any:
         """Rows for ``positions``: an int ``n`` (rows ``0..n-1``) or an integer
         array of any shape ``(...)``, giving ``(..., dim)``."""
-        table = self.table
+        op, table = "LearnedPositions", self.table
         count = table.shape[0]
-        chosen, _ = _dispatch.resolve("LearnedPositions", None, ("table",), (table,))
-        xp = chosen.xp
+        if isinstance(positions, bool):  # an int to Python, not a count
+            raise TypeError(f"{op}: positions must be an int n or an integer array, got {positions!r}")
         if isinstance(positions, int):
             if not 0 <= positions <= count:
-                raise ValueError(f"LearnedPositions: n must lie in [0, {count}], got {positions}")
+                raise ValueError(f"{op}: n must lie in [0, {count}], got {positions}")
             return table[:positions, :]
+        chosen, _ = _dispatch.resolve(op, None, ("table", "positions"), (table, positions))
+        xp = chosen.xp
         if _checks.dtype_kind(xp, positions) != "int":
-            raise TypeError(f"LearnedPositions: positions must be integers, got dtype {_checks.dtype_name(positions)}")
+            raise TypeError(f"{op}: positions must be integers, got dtype {_checks.dtype_name(positions)}")
         # Only concrete positions can be read (not traced or lazy ones).
         if _checks.values_known(positions) and (xp.any(positions < 0) or xp.any(positions >= count)):
-            raise ValueError(f"LearnedPositions: positions must lie in [0, {count}), got values outside")
+            low, high = int(xp.min(positions)), int(xp.max(positions))
+            raise ValueError(f"{op}: positions must lie in [0, {count}), got values from {low} to {high}")
         flat = xp.take(table, xp.reshape(positions, (-1,)), axis=0)
         return xp.reshape(flat, (*positions.shape, table.shape[1]))

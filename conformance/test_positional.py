@@ -95,3 +95,17 @@ def test_learned_positions_same_numbers_everywhere(attnx_backend):
     got = ours(be.array(index))
     assert_close(got, theirs.table[index], be, "float64")
     assert_close(ours(3), theirs.table[:3], be, "float64")
+
+
+def test_learned_positions_refuse_what_is_not_a_position(attnx_backend):
+    be = attnx_backend
+    positions = attnx.LearnedPositions(4, 3, backend=be.name, device=be.device)
+    with pytest.raises(TypeError, match="LearnedPositions: positions must be an int n or an integer array, got True"):
+        positions(True)
+    with pytest.raises(TypeError, match="LearnedPositions: positions must be integers, got dtype float32"):
+        positions(be.array(np.array([1.0]), "float32"))
+    if not be.lazy:  # lazy values are read only when computed
+        with pytest.raises(
+            ValueError, match=r"LearnedPositions: positions must lie in \[0, 4\), got values from -1 to 2"
+        ):
+            positions(be.array(np.array([-1, 2])))
