@@ -108,12 +108,18 @@ def nadaraya_watson(
             raise ValueError(f"{_NW}: kernel must be one of {sorted(KERNELS)} or a callable, got {kernel!r}")
     elif not callable(kernel):
         raise TypeError(f"{_NW}: kernel must be a name or a callable, got {type(kernel).__name__}")
+    else:
+        _check_kernel(chosen, kernel, queries)
+    if isinstance(bandwidth, bool):
+        raise TypeError(f"{_NW}: bandwidth must be a positive float or a 0-d array, got {bandwidth!r}")
     if isinstance(bandwidth, (int, float)):
         if not bandwidth > 0:
             raise ValueError(f"{_NW}: bandwidth must be positive, got {bandwidth}")
         bandwidth = float(bandwidth)
     elif getattr(bandwidth, "ndim", None) != 0:
         raise ValueError(f"{_NW}: bandwidth must be a positive float or a 0-d array, got {bandwidth!r}")
+    elif _checks.values_known(bandwidth) and not bool(bandwidth > 0):
+        raise ValueError(f"{_NW}: bandwidth must be positive, got {float(bandwidth)}")
     return _dispatch.call(
         _NW,
         chosen,
@@ -128,6 +134,45 @@ def nadaraya_watson(
             "return_weights": return_weights,
         },
     )
+
+
+#: Scaled distances a callable kernel is tried on before the call: the
+#: shape (2, 3) tells a kernel that keeps u's shape from one that broadcasts
+#: or slices it; 0 to 8 cover the compact kernels' support and past it.
+_PROBE = [[0.0, 0.5, 1.0], [2.0, 4.0, 8.0]]
+
+
+def _check_kernel(chosen: Any, kernel: Callable[[Any], Any], queries: Any) -> None:
+    """A callable kernel, tried on :data:`_PROBE`: an array of the backend,
+    of the distances' shape, of non-negative finite values (where they can
+    be read), or an error naming the kernel before anything is computed."""
+    xp = chosen.xp
+    probe = xp.asarray(_PROBE, dtype=queries.dtype, device=_checks.device_of(queries))
+    try:
+        result = kernel(probe)
+    except Exception as error:  # the user's code: any failure is the kernel's
+        raise TypeError(
+            f"{_NW}: kernel failed on scaled distances {_PROBE} of the {chosen.name!r} backend: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    if not hasattr(result, "shape") or not hasattr(result, "dtype") or not chosen.owns(result):
+        raise TypeError(
+            f"{_NW}: kernel must return an array of the {chosen.name!r} backend, "
+            f"got {type(result).__module__}.{type(result).__name__}"
+        )
+    if _checks.shape_of(result) != (2, 3):
+        raise ValueError(
+            f"{_NW}: kernel must return an array of the distances' own shape: on distances of shape (2, 3) "
+            f"it returned shape {_checks.shape_of(result)}"
+        )
+    kind = _checks.dtype_kind(xp, result)
+    if kind not in ("bool", "int", "float"):
+        raise TypeError(f"{_NW}: kernel must return real values, got dtype {_checks.dtype_name(result)}")
+    if kind != "bool" and _checks.values_known(result) and not bool(xp.all((result >= 0) & (result < float("inf")))):
+        raise ValueError(
+            f"{_NW}: kernel must return non-negative, finite values (weights): on scaled distances {_PROBE} "
+            f"it returned {chosen.to_numpy(result).tolist()}"
+        )
 
 
 def _nadaraya_watson_generic(

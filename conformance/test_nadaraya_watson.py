@@ -80,3 +80,25 @@ def test_bad_input(attnx_backend):
         attnx.nadaraya_watson(
             be.array(np.zeros((3, 2)), "float64"), keys, be.array(np.zeros(5), "float64"), kernel="cauchy"
         )
+
+
+def test_callable_kernels_are_tried_before_the_call(attnx_backend):
+    """A callable kernel is tried on a few scaled distances first: one that
+    doesn't give weights (an array of the distances' shape, non-negative and
+    finite) is named before anything is computed."""
+    be = attnx_backend
+    data = [be.array(np.linspace(0, 1, size), "float32") for size in (3, 5, 5)]
+    with pytest.raises(ValueError, match=r"kernel must return an array of the distances' own shape.*\(1, 3\)"):
+        attnx.nadaraya_watson(*data, kernel=lambda u: u[:1, :])
+    with pytest.raises(TypeError, match=r"kernel must return an array of the '.*' backend, got builtins.list"):
+        attnx.nadaraya_watson(*data, kernel=lambda u: [1.0])
+    with pytest.raises(TypeError, match="kernel failed on scaled distances .* ZeroDivisionError"):
+        attnx.nadaraya_watson(*data, kernel=lambda u: 1 / 0)
+    with pytest.raises(TypeError, match="bandwidth must be a positive float or a 0-d array, got True"):
+        attnx.nadaraya_watson(*data, bandwidth=True)
+    if be.lazy:  # lazy values are read only when computed
+        return
+    with pytest.raises(ValueError, match=r"kernel must return non-negative, finite values.*-3\.0"):
+        attnx.nadaraya_watson(*data, kernel=lambda u: 1.0 - u * u)  # Epanechnikov without its clip
+    with pytest.raises(ValueError, match=r"bandwidth must be positive, got -0\.5"):
+        attnx.nadaraya_watson(*data, bandwidth=be.array(np.array(-0.5), "float32"))
