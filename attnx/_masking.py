@@ -18,6 +18,7 @@ from typing import Any, Literal
 from array_api_compat import is_writeable_array
 
 from attnx._checks import broadcast, device_of, dtype_kind, dtype_name, shape_of, values_known
+from attnx._tracing import run_at_trace_time
 
 Align = Literal["bottom_right", "top_left"]
 
@@ -321,7 +322,15 @@ def can_mutate(array: Any) -> bool:
     own = getattr(getattr(array, "flags", None), "writeable", None)
     if own is not None:
         return own
-    kind = type(array)
+    return _writeable_type(type(array), array)
+
+
+@run_at_trace_time
+def _writeable_type(kind: type, array: Any) -> bool:
+    """Whether arrays of type ``kind`` (``array`` one of them) take in-place
+    updates: called, not traced, by torch.compile, which warned of the
+    ``lru_cache`` inside array-api-compat's answer when it traced a first
+    call of a type that had not run eagerly."""
     writeable = _WRITEABLE.get(kind)
     if writeable is None:
         writeable = _WRITEABLE[kind] = is_writeable_array(array)

@@ -185,10 +185,16 @@ def test_torch_compile_fullgraph_multi_head_attention(torch):
     torch.testing.assert_close(compiled(x, lengths), layer(x, lengths), rtol=2e-5, atol=2e-6)
 
 
-def test_torch_compile_in_a_process_that_also_ran_numpy(torch):
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_torch_compile_in_a_process_that_also_ran_numpy(torch, monkeypatch):
     """attnx's dtype caches hold NumPy's dtypes once NumPy has run; a
     compiled PyTorch call must not trace through them (PyTorch 2.11's
-    compiler can't hash a NumPy dtype)."""
+    compiler can't hash a NumPy dtype), nor through array-api-compat's
+    ``lru_cache`` when tensors meet attnx first in a compiled call (dynamo
+    warned of it)."""
+    from attnx import _masking
+
+    monkeypatch.setattr(_masking, "_WRITEABLE", {})  # as in a process where no tensor ran eagerly
     scores = np.random.default_rng(4).standard_normal((2, 5, 9))
     lengths = np.array([5, 2])
     expected = attnx.masked_softmax(scores, key_lengths=lengths)
