@@ -76,17 +76,20 @@ def test_map_blocks_keeps_no_block_alive_after_the_call():
 @pytest.mark.parametrize("interrupt_at", ["join", "start"])
 def test_an_interrupted_call_leaves_no_helper_running_into_the_next(monkeypatch, interrupt_at):
     """Ctrl-C (KeyboardInterrupt) while the calling thread waits for a
-    helper, or just after it starts one: the call ends only when the helper
-    has, and raises the interrupt.  Were it to return at once, the helper's
-    end would be counted by the next call, which would return before its own
-    blocks were written: outputs left as ``np.empty`` made them."""
+    helper, or just after it starts one: the call ends only when every block
+    a helper began has, and raises the interrupt.  Were it to return at once,
+    the helper's end would be counted by the next call, which would return
+    before its own blocks were written (outputs left as ``np.empty`` made
+    them), or hang once a lock was released twice."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signals reach the main thread only")
     backend = NumPyBackend()
     backend.concurrent_blocks = 2
-    finished = []
+    begun, finished = [], []
 
     def work(pause):
+        if threading.current_thread() is not threading.main_thread():
+            begun.append(pause)
         time.sleep(pause)
         finished.append(pause)
         return pause
@@ -104,16 +107,19 @@ def test_an_interrupted_call_leaves_no_helper_running_into_the_next(monkeypatch,
                 raise KeyboardInterrupt  # as a signal arriving just after the helper was handed its blocks
 
             monkeypatch.setattr(numpy_backend._Helper, "start", start_then_interrupt)
+            pauses = [0.3] * 4
         else:
-            signal.setitimer(signal.ITIMER_REAL, 0.05)  # the calling thread is waiting for the 0.3 s block by then
+            # The calling thread takes the 0.1 s block, the helper the 0.4 s
+            # one; at 0.2 s the calling thread is waiting for the helper.
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            pauses = [0.1, 0.4]
         with pytest.raises(KeyboardInterrupt):
-            backend.map_blocks(work, [0.0, 0.3] if interrupt_at == "join" else [0.3] * 4)
+            backend.map_blocks(work, pauses)
         ended = list(finished)
-        time.sleep(0.4)
+        assert all(pause in ended for pause in begun), "the call ended before a helper's block did"
+        time.sleep(0.5)
         assert finished == ended, "a block ran on after its call had ended"
-        if interrupt_at == "join":  # the helper had taken its block before the interrupt
-            assert 0.3 in ended
-        else:  # and took no other after it: the interrupt stops the call
+        if interrupt_at == "start":  # the helper took no block after the interrupt
             assert len(ended) <= 1
         monkeypatch.undo()
         finished.clear()
