@@ -136,8 +136,9 @@ def _lengths_layout(shape: tuple[int, ...], batch_shape: tuple[int, ...], n: int
         return "batch_first"
     if len(shape) == len(batch_shape) + 1 and shape[-1] in (n, 1):
         try:
-            broadcast("", {"a": shape[:-1], "b": batch_shape})
-            return "per_query"
+            # Lengths broadcast *to* the batch: a size where the batch has 1 would grow it.
+            if broadcast("", {"a": shape[:-1], "b": batch_shape}) == batch_shape:
+                return "per_query"
         except ValueError:
             pass
     if len(shape) <= len(batch_shape):

@@ -36,6 +36,12 @@ CASES = [
     ("mask dtype", {"mask": ((3, 5), "int32")}, TypeError, ["mask", "boolean", "int32"]),
     ("lengths dtype", {"key_lengths": ((2,), F)}, TypeError, ["key_lengths", "integer"]),
     ("lengths shape", {"key_lengths": ((4,), "int64")}, ValueError, ["key_lengths", "(4,)"]),
+    (
+        "lengths grow the batch",  # one per query, for 2 sequences where the batch has 1
+        {"query": ((1, 3, 4), F), "key": ((1, 5, 4), F), "value": ((1, 5, 6), F), "key_lengths": ((2, 3), "int64")},
+        ValueError,
+        ["key_lengths", "(2, 3)"],
+    ),
     ("lengths too large", {"key_lengths": (np.array([5, 6]), None)}, ValueError, ["key_lengths", "[0, m]", "6"]),
     ("negative lengths", {"key_lengths": (np.array([-1, 2]), None)}, ValueError, ["key_lengths", "-1"]),
     # A real mask is added to the scores: +inf or NaN there would make rows NaN.
