@@ -153,6 +153,8 @@ def _scaled_dot_product_attention(
             dtype=query.dtype,
             device=query.device,
         )
+        if attn_mask.ndim < 2:  # a scalar or a row of keys: PyTorch's SDPA reads the mask's last two axes
+            attn_mask = attn_mask.expand(n, m)
         is_causal = False
     return _kernel(query.shape, key.shape, value.shape, leading, is_causal, scale)(query, key, value, attn_mask)
 

@@ -70,6 +70,9 @@ def _mask_cases(gen, batch, n, m):
         ),
         "all_masked": (dict(mask=np.zeros((n, m), dtype=bool)), dict(mask=np.zeros((n, m), dtype=bool))),
         "causal_additive": (dict(is_causal=True, mask=additive), dict(is_causal=True, additive=additive)),
+        # Masks of fewer than two axes broadcast as any other: a row of keys, a scalar added to every score.
+        "keys_row": (dict(mask=boolean[0, 0, 1]), dict(mask=boolean[0, 0, 1])),
+        "additive_scalar": (dict(mask=np.array(1.5)), dict(additive=np.array(1.5))),
     }
 
 
