@@ -236,10 +236,11 @@ def lengths_batch_block(key_lengths: Any, batch_shape: tuple[int, ...], n: int, 
 
 
 def block(mask: Any, rows: Span | None, cols: Span | None) -> Any:
-    """The ``rows x cols`` block of a mask broadcastable to ``(..., n, m)``."""
-    if rows is not None and mask.shape[-2] != 1:
+    """The ``rows x cols`` block of a mask broadcastable to ``(..., n, m)``
+    (a mask without the axis, or with size 1 there, broadcasts whole)."""
+    if rows is not None and mask.ndim >= 2 and mask.shape[-2] != 1:
         mask = mask[..., rows[0] : rows[1], :]
-    if cols is not None and mask.shape[-1] != 1:
+    if cols is not None and mask.ndim >= 1 and mask.shape[-1] != 1:
         mask = mask[..., cols[0] : cols[1]]
     return mask
 
@@ -282,13 +283,15 @@ def with_mask(xp: Any, allowed: Any, additive: Any, mask: Any, dtype: Any) -> tu
     return allowed, (mask if additive is None else additive + mask)
 
 
-def allow_extra_keys(xp: Any, mask: Any, count: int) -> Any:
+def allow_extra_keys(xp: Any, mask: Any, m: int, count: int) -> Any:
     """``mask`` (boolean or additive, broadcastable to ``(..., n, m)``) with
     ``count`` always-attended keys appended: ``(..., n, m + count)``.  The
     extra keys (multi-head attention's ``bias_k`` and zero attention) are
     beyond every mask, as in ``torch.nn.MultiheadAttention``."""
     if mask is None or count == 0:
         return mask
+    if mask.shape[-1] != m:  # one column for every key: spelled out before more are appended
+        mask = xp.broadcast_to(mask, (*mask.shape[:-1], m))
     shape = (*mask.shape[:-1], count)
     device = device_of(mask)
     if mask.dtype == xp.bool:

@@ -247,6 +247,8 @@ def _multi_head_generic(
         )
         extra += 1
     batch_shape = _checks.leading_shape(query, key, value)
+    if mask is not None and mask.ndim < 2:  # a row of keys or a scalar: (1, m) or (1, 1), for the heads' axes below
+        mask = xp.reshape(mask, (1,) * (2 - mask.ndim) + tuple(mask.shape))
     padding = None
     if key_lengths is not None:
         padding = _heads_axis(xp, _masking.lengths_mask(xp, key_lengths, batch_shape, n, m), mask_per_head)
@@ -259,7 +261,7 @@ def _multi_head_generic(
             mask = padding if mask is None else padding & mask
         else:
             mask = _masking.as_additive(xp, padding, mask, mask.dtype)
-    mask = _masking.allow_extra_keys(xp, mask, extra)
+    mask = _masking.allow_extra_keys(xp, mask, m, extra)
     if mask is not None:
         if mask_per_head:
             shape = mask.shape

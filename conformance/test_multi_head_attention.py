@@ -78,8 +78,11 @@ def test_matches_reference(attnx_backend, config):
 
 @pytest.mark.parametrize("bias_kv, add_zero_attn", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("num_kv_heads", [None, 1])
-def test_extra_keys_bias_kv_and_zero_attention(attnx_backend, bias_kv, add_zero_attn, num_kv_heads):
-    """PyTorch's add_bias_kv and add_zero_attn: keys beyond every mask, attended by every query."""
+@pytest.mark.parametrize("mask_layout", ["full", "keys", "queries", "scalar"])
+def test_extra_keys_bias_kv_and_zero_attention(attnx_backend, bias_kv, add_zero_attn, num_kv_heads, mask_layout):
+    """PyTorch's add_bias_kv and add_zero_attn: keys beyond every mask,
+    attended by every query, whatever the mask's shape: (n, m), a row of
+    keys (m,), a column of queries (n, 1) or a scalar."""
     be = attnx_backend
     h, n, m = 2, 4, 5
     h_kv = num_kv_heads or h
@@ -91,7 +94,9 @@ def test_extra_keys_bias_kv_and_zero_attention(attnx_backend, bias_kv, add_zero_
     q, k = gen.standard_normal((2, n, 8)), gen.standard_normal((2, m, 8))
     lengths = np.array([m, 0])  # the second sequence has no key of its own: only the extra ones
     mask = gen.random((n, m)) < 0.7
-    allowed = reference.allowed_mask(n, m, batch_shape=(2,), key_lengths=lengths, mask=mask, is_causal=True)
+    mask = {"full": mask, "keys": mask[1], "queries": mask[:, :1], "scalar": np.array(True)}[mask_layout]
+    full = np.broadcast_to(mask, (n, m))
+    allowed = reference.allowed_mask(n, m, batch_shape=(2,), key_lengths=lengths, mask=full, is_causal=True)
     expected, expected_w = reference.multi_head_attention(q, k, k, params, h, h_kv, allowed, add_zero_attn)
     for dtype in be.dtypes:
         out, w = attnx.multi_head_attention(
@@ -110,6 +115,20 @@ def test_extra_keys_bias_kv_and_zero_attention(attnx_backend, bias_kv, add_zero_
         )
         assert_close(out, expected, be, dtype, scale=10)
         assert_close(w, expected_w, be, dtype)
+        # The mask alone, as given: not yet broadcast by the padding and causal masks.
+        alone = reference.allowed_mask(n, m, batch_shape=(2,), mask=full)
+        expected_alone, _ = reference.multi_head_attention(q, k, k, params, h, h_kv, alone, add_zero_attn)
+        out = attnx.multi_head_attention(
+            be.array(q, dtype),
+            be.array(k, dtype),
+            be.array(k, dtype),
+            params_on(be, params, dtype),
+            num_heads=h,
+            num_kv_heads=num_kv_heads,
+            mask=be.array(mask),
+            add_zero_attn=add_zero_attn,
+        )
+        assert_close(out, expected_alone, be, dtype, scale=10)
     assert expected_w.shape[-1] == m + bias_kv + add_zero_attn
     assert np.all(expected_w[1, ..., :m] == 0) and np.allclose(expected_w[1].sum(-1), 1)
 
