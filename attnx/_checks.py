@@ -268,6 +268,26 @@ def require_query_key_value(
         )
 
 
+def call_users_function(
+    operation: str, name: str, chosen: Any, function: Any, arguments: tuple[Any, ...], on: str
+) -> Any:
+    """``function(*arguments)``: the user's code (a kernel, a mod), whose
+    failure, or a result that isn't an array of the ``chosen`` backend, is
+    an error naming ``name`` and what it was called ``on``."""
+    try:
+        result = function(*arguments)
+    except Exception as error:  # the user's code: any failure is the function's
+        raise TypeError(
+            f"{operation}: {name} failed on {on} of the {chosen.name!r} backend: {type(error).__name__}: {error}"
+        ) from error
+    if not hasattr(result, "shape") or not hasattr(result, "dtype") or not chosen.owns(result):
+        raise TypeError(
+            f"{operation}: {name} must return an array of the {chosen.name!r} backend, "
+            f"got {type(result).__module__}.{type(result).__name__}"
+        )
+    return result
+
+
 def require_flag(operation: str, name: str, value: Any) -> bool:
     """``value`` if it is a bool; a TypeError naming the flag otherwise
     (``"no"`` is truthy: accepting it would silently do the opposite)."""

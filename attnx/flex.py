@@ -322,17 +322,8 @@ def _call_mod(
 ) -> Any:
     """``mod(*arguments)``, checked to be an array of the backend that
     broadcasts to ``tile``; one error naming the mod otherwise."""
-    try:
-        result = mod(*arguments)
-    except Exception as error:  # the user's code: any failure is the mod's
-        raise TypeError(
-            f"{operation}: {name} failed on index arrays ({_indices_said(indices)}) of the {chosen.name!r} backend: "
-            f"{type(error).__name__}: {error}"
-        ) from error
-    if not hasattr(result, "shape") or not hasattr(result, "dtype") or not chosen.owns(result):
-        raise TypeError(
-            f"{operation}: {name} must return an array of the {chosen.name!r} backend, got {type(result).__module__}.{type(result).__name__}"
-        )
+    on = f"index arrays ({_indices_said(indices)})"
+    result = _checks.call_users_function(operation, name, chosen, mod, arguments, on)
     try:
         fits = _checks.broadcast(operation, {name: _checks.shape_of(result), "tile": tile}) == tile
     except ValueError:

@@ -148,18 +148,7 @@ def _check_kernel(chosen: Any, kernel: Callable[[Any], Any], queries: Any) -> No
     be read), or an error naming the kernel before anything is computed."""
     xp = chosen.xp
     probe = xp.asarray(_PROBE, dtype=queries.dtype, device=_checks.device_of(queries))
-    try:
-        result = kernel(probe)
-    except Exception as error:  # the user's code: any failure is the kernel's
-        raise TypeError(
-            f"{_NW}: kernel failed on scaled distances {_PROBE} of the {chosen.name!r} backend: "
-            f"{type(error).__name__}: {error}"
-        ) from error
-    if not hasattr(result, "shape") or not hasattr(result, "dtype") or not chosen.owns(result):
-        raise TypeError(
-            f"{_NW}: kernel must return an array of the {chosen.name!r} backend, "
-            f"got {type(result).__module__}.{type(result).__name__}"
-        )
+    result = _checks.call_users_function(_NW, "kernel", chosen, kernel, (probe,), f"scaled distances {_PROBE}")
     if _checks.shape_of(result) != (2, 3):
         raise ValueError(
             f"{_NW}: kernel must return an array of the distances' own shape: on distances of shape (2, 3) "

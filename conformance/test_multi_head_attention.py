@@ -99,36 +99,25 @@ def test_extra_keys_bias_kv_and_zero_attention(attnx_backend, bias_kv, add_zero_
     allowed = reference.allowed_mask(n, m, batch_shape=(2,), key_lengths=lengths, mask=full, is_causal=True)
     expected, expected_w = reference.multi_head_attention(q, k, k, params, h, h_kv, allowed, add_zero_attn)
     for dtype in be.dtypes:
-        out, w = attnx.multi_head_attention(
-            be.array(q, dtype),
-            be.array(k, dtype),
-            be.array(k, dtype),
-            params_on(be, params, dtype),
-            num_heads=h,
-            num_kv_heads=num_kv_heads,
-            mask=be.array(mask),
-            key_lengths=be.array(lengths),
-            is_causal=True,
-            add_zero_attn=add_zero_attn,
-            return_weights=True,
-            average_weights=False,
-        )
+
+        def attend(dtype=dtype, **options):
+            return attnx.multi_head_attention(
+                *(be.array(a, dtype) for a in (q, k, k)),
+                params_on(be, params, dtype),
+                num_heads=h,
+                num_kv_heads=num_kv_heads,
+                mask=be.array(mask),
+                add_zero_attn=add_zero_attn,
+                **options,
+            )
+
+        out, w = attend(key_lengths=be.array(lengths), is_causal=True, return_weights=True, average_weights=False)
         assert_close(out, expected, be, dtype, scale=10)
         assert_close(w, expected_w, be, dtype)
         # The mask alone, as given: not yet broadcast by the padding and causal masks.
         alone = reference.allowed_mask(n, m, batch_shape=(2,), mask=full)
         expected_alone, _ = reference.multi_head_attention(q, k, k, params, h, h_kv, alone, add_zero_attn)
-        out = attnx.multi_head_attention(
-            be.array(q, dtype),
-            be.array(k, dtype),
-            be.array(k, dtype),
-            params_on(be, params, dtype),
-            num_heads=h,
-            num_kv_heads=num_kv_heads,
-            mask=be.array(mask),
-            add_zero_attn=add_zero_attn,
-        )
-        assert_close(out, expected_alone, be, dtype, scale=10)
+        assert_close(attend(), expected_alone, be, dtype, scale=10)
     assert expected_w.shape[-1] == m + bias_kv + add_zero_attn
     assert np.all(expected_w[1, ..., :m] == 0) and np.allclose(expected_w[1].sum(-1), 1)
 
