@@ -202,18 +202,24 @@ def lengths_mask(
 ) -> Any:
     """Boolean mask broadcastable to ``(*batch_shape, n, m)`` (or to the block
     ``rows x cols``): keys ``j < length``."""
+    lengths = aligned_lengths(xp, key_lengths, batch_shape, n, rows)
+    c0, c1 = cols or (0, m)
+    positions = xp.arange(c0, c1, device=device_of(key_lengths), dtype=key_lengths.dtype)
+    return positions < lengths
+
+
+def aligned_lengths(xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, rows: Span | None = None) -> Any:
+    """``key_lengths``, in any layout attnx accepts, broadcastable to
+    ``(*batch_shape, n, 1)`` (or to the block of queries ``rows``): the
+    length that each query's keys are cut to."""
     layout = _lengths_layout(shape_of(key_lengths), batch_shape, n)
     if layout == "batch_first":
         key_lengths = xp.reshape(key_lengths, (key_lengths.shape[0],) + (1,) * (len(batch_shape) - 1))
     if layout == "per_query":
         if rows is not None and key_lengths.shape[-1] != 1:
             key_lengths = key_lengths[..., rows[0] : rows[1]]
-        lengths = key_lengths[..., None]
-    else:
-        lengths = key_lengths[..., None, None]
-    c0, c1 = cols or (0, m)
-    positions = xp.arange(c0, c1, device=device_of(key_lengths), dtype=key_lengths.dtype)
-    return positions < lengths
+        return key_lengths[..., None]
+    return key_lengths[..., None, None]
 
 
 def batch_block(array: Any, batch_ndim: int, core_ndim: int, batch: Span) -> Any:

@@ -9,6 +9,8 @@ nothing private, as a backend in another package would.
 - :func:`combined_mask`: a call's ``mask``, ``key_lengths`` and
   ``is_causal`` as the one mask that a fused kernel takes (PyTorch's
   ``attn_mask``), or any block of it.
+- :func:`aligned_lengths`: a call's ``key_lengths``, in whichever layout
+  the user gave them, aligned to the scores' axes.
 - :func:`planned_chunks`: attnx's plan of blocks for a call, under the
   memory budget in force (a native with a plan of its own, see
   :meth:`attnx.Backend.specialize`, asks it at each call).
@@ -36,7 +38,7 @@ from attnx._tiling import KEY_CHUNK, MIN_ROWS
 from attnx.attention import choose_chunks
 from attnx.backend import Backend
 
-__all__ = ["KEY_CHUNK", "MIN_ROWS", "combined_mask", "planned_chunks"]
+__all__ = ["KEY_CHUNK", "MIN_ROWS", "aligned_lengths", "combined_mask", "planned_chunks"]
 
 
 def combined_mask(
@@ -102,6 +104,27 @@ def combined_mask(
     if additive is None:
         return allowed
     return _masking.as_additive(xp, allowed, additive, dtype)
+
+
+def aligned_lengths(
+    xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, *, rows: tuple[int, int] | None = None
+) -> Any:
+    """A call's ``key_lengths`` broadcastable to ``(*batch_shape, n, 1)``:
+    the query in row ``i`` attends the keys ``j < lengths[..., i, 0]``.
+
+    Whichever layout the user gave (one length per sequence, ``(B,)``; the
+    leading shape, broadcastable; one per query, ``(..., n)``), a native
+    that cuts keys by length, or builds its own mask from them, reads them
+    here; ``rows`` (``(start, stop)``) gives a block of queries instead.
+
+    Examples
+    --------
+    >>> import array_api_compat.numpy as xp
+    >>> from attnx import natives
+    >>> natives.aligned_lengths(xp, xp.asarray([2, 3]), (2, 4), 5).shape
+    (2, 1, 1, 1)
+    """
+    return _masking.aligned_lengths(xp, key_lengths, batch_shape, n, rows)
 
 
 def planned_chunks(

@@ -30,6 +30,12 @@ tasks, on the calling thread: short NumPy calls inside a task hand the GIL
 to the other threads and wait to have it back, and cost more than their
 work (four such checks a task took 63 us of a (1, 8, 128, 64) call's
 492 us; the fourteenth session's figures in bench/RESULTS.md say why).
+
+Masks (``mask``, ``key_lengths``) are laid out by slice once per call
+(:mod:`.numpy_masks`) and applied as the causal band is: a product with the
+exponentials (a real mask is added to the scores first).  A row with no key
+left has a sum of 0, which fails the test above: the shifted run gives it
+zeros, as attnx's algorithm does.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from attnx import get_memory_budget, natives
 # The same thresholds as the generic algorithm's (measured there): blocks
 # of at least MIN_ROWS query rows, at most KEY_CHUNK keys.
 from attnx.natives import KEY_CHUNK, MIN_ROWS
+
+from .numpy_masks import SliceMasks
 
 #: Query rows per task at most: more rows per task means fewer tasks to share
 #: among threads, and for causal masks more work spent above the diagonal.
@@ -150,16 +158,24 @@ def scaled_dot_product_attention(
     """attnx's native entry point (see :meth:`attnx.Backend.implementations`);
     ``backend`` (bound by it) runs the tasks on its threads.  A ``chunk_size``
     the user gave sets the rows and keys of each task (``chunks``).  Calls
-    with no query, key or slice it declines (:func:`_slices_taken`)."""
-    slices = _slices_taken(query, key, mask, key_lengths, is_causal, return_weights, batch_shape)
+    with no query, key or slice it declines (:func:`_slices_taken`), and
+    masks that it would copy whole to lay them out by slice
+    (:meth:`SliceMasks.of`)."""
+    slices = _slices_taken(query, key, is_causal, return_weights, batch_shape)
     if slices is None:
         return NotImplemented
     n, m = query.shape[-2], key.shape[-2]
     dtype = query.dtype
     # A Python float keeps the inputs' dtype (NEP 50); a 0-d array is cast to it.
     scale = scale if type(scale) is float else dtype.type(scale)
+    masked = mask is not None or key_lengths is not None
     if chunks is None and slices * n * m < PARALLEL_SCORES:  # within the budget: attnx planned no chunks
+        if masked:
+            return _attend_small_masked(query, key, value, scale, is_causal, mask, key_lengths, batch_shape)
         return _attend_small(query, key, value, scale, is_causal)
+    masks = SliceMasks.of(mask, key_lengths, batch_shape, n, m) if masked else None
+    if masked and masks is None:
+        return NotImplemented
     d_v = value.shape[-1]
     threads, budget = backend.concurrent_blocks, get_memory_budget(backend)
     # Queries within a thread's share of the budget are scaled once, here: a
@@ -226,6 +242,11 @@ def scaled_dot_product_attention(
 
     def attend_rows(s0: int, s1: int, r0: int, r1: int, shifted: bool) -> None:
         scratch = _scratch(size, dtype)
+        task_masks = factors = None
+        if masks is not None:
+            task_masks = masks.slices(s0, s1)
+            if masks.lengths is not None:
+                factors = _scratch(size, dtype, "factors")
         for b0 in range(r0, r1, inner_rows):
             b1 = min(r1, b0 + inner_rows)
             _attend_block(
@@ -240,6 +261,8 @@ def scaled_dot_product_attention(
                 n,
                 key_chunk,
                 scratch,
+                task_masks,
+                factors,
                 shifted,
             )
 
@@ -270,16 +293,13 @@ def _as_slices(array: Any, batch_shape: tuple[int, ...], slices: int) -> Any:
     return array.reshape(slices, *array.shape[-2:])
 
 
-def _slices_taken(
-    query: Any, key: Any, mask: Any, key_lengths: Any, is_causal: bool, return_weights: bool, batch_shape: Any
-) -> int | None:
+def _slices_taken(query: Any, key: Any, is_causal: bool, return_weights: bool, batch_shape: Any) -> int | None:
     """The number of (batch, head) slices of a call this native computes, or
-    None for the calls it hands to the generic algorithm."""
+    None for the calls it hands to the generic algorithm (and, for masks,
+    :meth:`SliceMasks.of`)."""
     n, m = query.shape[-2], key.shape[-2]
     if (
         return_weights
-        or mask is not None
-        or key_lengths is not None
         or query.dtype.char not in ("f", "d")  # float32, float64
         or n == 0
         or m == 0
@@ -299,16 +319,14 @@ def call_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any] 
     which plans its blocks at every call."""
     query, key, scale = arguments["query"], arguments["key"], arguments["scale"]
     is_causal, batch_shape = arguments["is_causal"], arguments["batch_shape"]
-    slices = _slices_taken(
-        query,
-        key,
-        arguments["mask"],
-        arguments["key_lengths"],
-        is_causal,
-        arguments["return_weights"],
-        batch_shape,
-    )
-    if slices is None or arguments["chunk_size"] is not None or type(scale) is not float:
+    slices = _slices_taken(query, key, is_causal, arguments["return_weights"], batch_shape)
+    if (
+        slices is None
+        or arguments["mask"] is not None  # attnx plans no masked call: masks differ from call to call
+        or arguments["key_lengths"] is not None
+        or arguments["chunk_size"] is not None
+        or type(scale) is not float
+    ):
         return None
     n, m, dtype = query.shape[-2], key.shape[-2], query.dtype
     options = {name: arguments[name] for name in ("mask", "key_lengths", "is_causal", "scale", "return_weights")}
@@ -364,6 +382,40 @@ def _attend_small(query: Any, key: Any, value: Any, scale: Any, is_causal: bool)
     np.exp(scores, out=scores)
     output = np.matmul(scores, value)
     output /= _row_sums(scores)
+    return output
+
+
+def _attend_small_masked(
+    query: Any, key: Any, value: Any, scale: Any, is_causal: bool, mask: Any, key_lengths: Any, batch_shape: Any
+) -> Any:
+    """:func:`_attend_small` with masks: attnx's combined mask broadcasts
+    over the whole call, and the rows are shifted by their maxima (a row
+    with no key to attend has none: its shift is 0 and its output zeros)."""
+    n, m = query.shape[-2], key.shape[-2]
+    combined = natives.combined_mask(
+        xp,
+        mask=mask,
+        key_lengths=key_lengths,
+        is_causal=is_causal,
+        batch_shape=batch_shape,
+        n=n,
+        m=m,
+        dtype=query.dtype,
+    )
+    scores = np.matmul(query * scale, key.swapaxes(-1, -2))
+    # Out of place: a mask may have leading axes that the scores broadcast over (the values had them).
+    if combined.dtype == np.bool_:
+        scores = np.where(combined, scores, -np.inf)
+    else:
+        scores = scores + combined
+    shift = scores.max(axis=-1, keepdims=True)
+    np.copyto(shift, 0, where=shift == -np.inf)
+    scores -= shift
+    np.exp(scores, out=scores)
+    output = np.matmul(scores, value)
+    totals = _row_sums(scores)
+    np.copyto(totals, 1, where=totals == 0)
+    output /= totals
     return output
 
 
@@ -479,6 +531,8 @@ def _attend_block(
     n: int,
     key_chunk: int,
     buffer: Any,
+    masks: SliceMasks | None,
+    factors: Any,
     shifted: bool,
 ) -> None:
     """Attention of the queries ``r0:r0 + rows`` (``query``: ``(slices, rows,
@@ -487,38 +541,68 @@ def _attend_block(
     weights into ``totals`` (``(slices, rows, 1)``); ``buffer`` (flat, at
     least ``slices * rows * key_chunk``) holds the scores.  The online
     softmax, its rows ``shifted`` by their running maximum or not at all (see
-    the module's docstring)."""
+    the module's docstring).  ``masks`` are those of these slices, and
+    ``factors`` (flat, as large as ``buffer``) holds their lengths' factors."""
     rows, m = query.shape[1], key_t.shape[-1]
     if scale is not None:  # (slices, rows, d_k): small, unlike the scores
         query = query * scale
     # With a causal mask, keys past r1 + (m - n) are in every row's future.
     stop = min(m, r0 + rows + m - n) if is_causal else m
+    free = stop
+    if masks is not None:  # nor are the keys past every row's length computed
+        stop, free = masks.key_range(r0, r0 + rows, stop)
+    if stop == 0:  # no row has a key to attend (lengths of 0): zeros, as attnx's algorithm gives
+        output[...] = 0
+        totals[...] = 1
+        return
     shift = None
     for c0 in range(0, stop, key_chunk):
         c1 = min(stop, c0 + key_chunk)
         scores = _products(query, key_t, buffer, c0, c1)
+        additive = allowed = kept = None
+        if masks is not None:
+            additive, allowed, kept = masks.block(r0, r0 + rows, c0, c1, free, scores.dtype, factors)
+            if additive is not None:
+                np.add(scores, additive, out=scores)
         if shifted:
             if is_causal:
                 _mask_future(scores, r0, n, m, c0, c1, exponentials=False)
+            if allowed is not None:
+                np.copyto(scores, -np.inf, where=~allowed)
+            if kept is not None:
+                np.copyto(scores, -np.inf, where=kept == 0)
             block_max = scores.max(axis=-1, keepdims=True)
             if shift is None:
-                # The first block holds key 0, which every row may attend: its
-                # maximum is finite (causal rows with no key at all were declined).
+                # Without masks the first block holds key 0, which every row
+                # may attend: its maximum is finite (causal rows with no key
+                # at all were declined).
                 shift = block_max
             else:
                 new_shift = np.maximum(shift, block_max)
-                correction = np.exp(shift - new_shift)
+                with np.errstate(invalid="ignore"):  # -inf - -inf: a row with no key yet
+                    correction = np.exp(shift - new_shift)
+                if masks is not None:  # such a row's totals and outputs are 0 so far: any finite factor
+                    np.copyto(correction, 0, where=new_shift == -np.inf)
                 totals *= correction
                 output *= correction
                 shift = new_shift
-            scores -= shift
+            # A row with no key yet is shifted by 0: its exponentials are 0, not NaN.
+            scores -= shift if masks is None else np.where(shift == -np.inf, 0, shift)
         np.exp(scores, out=scores)
-        if is_causal and not shifted:
-            _mask_future(scores, r0, n, m, c0, c1, exponentials=True)
+        if not shifted:
+            if is_causal:
+                _mask_future(scores, r0, n, m, c0, c1, exponentials=True)
+            # Forbidden keys weigh 0 (an exponential that overflowed gives NaN, caught by the sums).
+            if allowed is not None:
+                np.multiply(scores, allowed, out=scores)
+            if kept is not None:
+                np.multiply(scores, kept, out=scores)
         if c0 == 0:
             _row_sums(scores, out=totals)
             np.matmul(scores, value[:, c0:c1], out=output)
         else:
             totals += _row_sums(scores)
             output += scores @ value[:, c0:c1]
+    if shifted and masks is not None:  # a row with no key to attend: zeros, never NaN
+        np.copyto(totals, 1, where=totals == 0)
     output /= totals

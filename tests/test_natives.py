@@ -84,6 +84,25 @@ def test_combined_mask_takes_a_real_mask_s_dtype_by_default():
 
 
 @pytest.mark.parametrize(
+    "shape, lengths_per",
+    [((2,), "batch"), ((2, 1), "sequence"), ((1, 3), "sequence"), ((), "sequence"), ((2, 3, 4), "query")],
+    ids=["batch-first", "per-sequence", "broadcast-batch", "one-for-all", "per-query"],
+)
+@pytest.mark.parametrize("rows", [None, (1, 3)])
+def test_aligned_lengths_are_the_reference_s_lengths_in_every_layout(shape, lengths_per, rows):
+    """Keys before the aligned length are the keys the reference's rule
+    allows, whichever layout the lengths came in, for all queries or a block
+    of them."""
+    n, m, batch = 4, 5, (2, 3)
+    key_lengths = np.random.default_rng(0).integers(0, m + 1, size=shape)
+    aligned = natives.aligned_lengths(xp, key_lengths, batch, n, rows=rows)
+    r0, r1 = rows or (0, n)
+    assert len(np.broadcast_shapes(aligned.shape, (*batch, r1 - r0, 1))) == len(batch) + 2
+    expected = reference.allowed_mask(n, m, batch_shape=batch, key_lengths=key_lengths, lengths_per=lengths_per)
+    np.testing.assert_array_equal(np.broadcast_to(np.arange(m) < aligned, (*batch, r1 - r0, m)), expected[..., r0:r1, :])
+
+
+@pytest.mark.parametrize(
     "shape, budget, threads",
     [((1, 2, 16, 8), None, 1), ((4, 8, 256, 16), 2**18, 1), ((1, 8, 128, 16), None, 2)],
     ids=["fits", "over-budget", "shared-by-threads"],

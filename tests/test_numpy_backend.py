@@ -227,12 +227,18 @@ def test_one_thread_is_sequential(monkeypatch):
 
 @pytest.mark.parametrize(
     "n, kwargs",
-    [(40, {"key_lengths": np.array([40, 33]), "chunk_size": (7, 9)}), (256, {})],
-    ids=["generic-masked", "native"],
+    [
+        # A mask of one (n, m) per batch entry, on 3 heads: the native declines it.
+        (40, {"mask": np.random.default_rng(1).random((2, 1, 40, 40)) < 0.7, "chunk_size": (7, 9)}),
+        (40, {"key_lengths": np.array([40, 33]), "chunk_size": (7, 9)}),
+        (256, {}),
+    ],
+    ids=["generic-masked", "native-masked", "native"],
 )
 def test_threaded_chunks_equal_sequential_chunks(monkeypatch, n, kwargs):
-    """Blocks run on the backend's threads, in the generic algorithm (masked
-    calls) and in the native one, and compute what one thread computes."""
+    """Blocks run on the backend's threads, in the generic algorithm (masks
+    the native declines) and in the native one, and compute what one thread
+    computes."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, 3, n, 8)) for _ in range(3))
     backend = attnx._registry.get("numpy")
@@ -253,8 +259,8 @@ def test_threaded_chunks_equal_sequential_chunks(monkeypatch, n, kwargs):
     # thread takes some, and may take all of a short call): that they went
     # through map_blocks, the test above shows that it uses threads.
     assert workers, "no block ran through map_blocks"
-    lengths = kwargs.get("key_lengths")
-    plain = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, key_lengths=lengths, return_weights=True)[0]
+    masks = {name: kwargs.get(name) for name in ("mask", "key_lengths")}
+    plain = attnx.scaled_dot_product_attention(q, k, v, is_causal=True, return_weights=True, **masks)[0]
     np.testing.assert_allclose(threaded, plain, rtol=1e-12, atol=1e-14)
 
 
@@ -640,3 +646,160 @@ def test_native_plan_keeps_each_thread_within_its_share_of_the_budget(
     row_blocks = -(-n // rows)
     if threads > 1 and slices * n * m >= native.PARALLEL_SCORES:
         assert -(-slices // per_task) * row_blocks >= min(threads, slices * row_blocks)
+
+
+# -- masked calls in the native ---------------------------------------------
+
+
+def _masked_reference(q, k, v, *, mask=None, key_lengths=None, is_causal=False):
+    """The conformance kit's float64 attention with a call's masks (lengths
+    one per batch entry, or one per query where they have a query axis)."""
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    n, m = q.shape[-2], k.shape[-2]
+    real = mask is not None and mask.dtype != bool
+    allowed = reference.allowed_mask(
+        n,
+        m,
+        batch_shape=batch,
+        mask=None if real else mask,
+        key_lengths=key_lengths,
+        lengths_per="query" if key_lengths is not None and key_lengths.ndim == len(batch) + 1 else "batch",
+        is_causal=is_causal,
+    )
+    return reference.scaled_dot_product_attention(q, k, v, allowed=allowed, additive=mask if real else None)[0]
+
+
+def _mask_layouts(rng, batch, n, m):
+    """Masks in the layouts the native takes: views of the user's array, or
+    copies of one row of keys per slice."""
+    return {
+        # (B, 1, 1, m) on B x H slices: one row of keys per slice, copied.
+        "padding_mask": (np.arange(m) < np.array([m, m // 3, 1])[:, None])[:, None, None, :],
+        # (B, H, n, m): a view, with rows that may attend nothing.
+        "full_mask": rng.random((*batch, n, m)) < np.linspace(0, 0.9, n)[:, None],
+        # (n, m), float64 on float32 scores: cast to the scores' dtype, as attnx's rule says.
+        "additive_shared": np.where(rng.random((n, m)) < 0.3, -np.inf, rng.standard_normal((n, m))),
+        "keys_row": rng.random(m) < 0.8,
+        # One length per sequence, one of them 0: a task with no key to attend.
+        "lengths": np.array([0, m // 3, m]),
+        # One per query, some 0: rows with no key, beside rows with some.
+        "lengths_per_query": rng.integers(0, m + 1, (*batch, n)) * (rng.random((*batch, n)) < 0.8),
+    }
+
+
+@pytest.mark.filterwarnings("error")  # nothing of the unshifted run reaches the user
+@pytest.mark.parametrize("chunk_size", [None, (64, 96)], ids=["planned", "key-blocks"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("layout", list(_mask_layouts(np.random.default_rng(0), (3, 2), 1, 1)))
+def test_native_takes_masked_calls_and_equals_the_reference(monkeypatch, layout, dtype, is_causal, chunk_size):
+    """Masks and key_lengths in the native, on two threads: rows with no key
+    (a sequence of length 0, rows of the mask all False) give zeros, and
+    over several key blocks (``key-blocks``) a row whose first blocks are
+    all masked joins the running sums without NaN."""
+    rng = np.random.default_rng(3)
+    batch, n, m = (3, 2), 200, 260
+    q, k, v = (rng.standard_normal((*batch, count, 32)).astype(dtype) for count in (n, m, m))
+    masks = _mask_layouts(rng, batch, n, m)
+    name = "key_lengths" if layout.startswith("lengths") else "mask"
+    call = {name: masks[layout]}
+    monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 2)
+    blocks = _recorded_blocks(monkeypatch, lambda *args: args[-1])
+    got = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, chunk_size=chunk_size, **call)
+    assert blocks, "the native declined the call"
+    expected = _masked_reference(q, k, v, is_causal=is_causal, **call)
+    np.testing.assert_allclose(got, expected, **TOLERANCE[dtype])
+
+
+def test_native_takes_small_masked_calls_in_one_block(monkeypatch):
+    """Calls too small for threads take every mask layout in one block,
+    broadcast over the whole call, the values' leading axes included."""
+    from attnx_backends import numpy_attention
+
+    rng = np.random.default_rng(4)
+    q, k = (rng.standard_normal((1, 2, 6, 4)) for _ in range(2))
+    v = rng.standard_normal((3, 2, 6, 5))  # only the values have the batch
+    small = []
+    original = numpy_attention._attend_small_masked
+    monkeypatch.setattr(numpy_attention, "_attend_small_masked", lambda *a: small.append(1) or original(*a))
+    for layout, mask in _mask_layouts(rng, (3, 2), 6, 6).items():
+        call = {"key_lengths" if layout.startswith("lengths") else "mask": mask}
+        for is_causal in (False, True):
+            got = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **call)
+            expected = _masked_reference(q, k, v, is_causal=is_causal, **call)
+            np.testing.assert_allclose(got, expected, **TOLERANCE["float64"], err_msg=f"{layout} causal={is_causal}")
+    assert len(small) == 12
+
+
+def test_native_declines_masks_it_would_copy_whole(monkeypatch):
+    """A (B, 1, n, m) mask on B x H slices would be copied whole to lay it out
+    by slices: the generic algorithm takes the call, by batch entries."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 4, 128, 16)) for _ in range(3))
+    mask = rng.random((2, 1, 128, 128)) < 0.5
+    blocks = _recorded_blocks(monkeypatch, lambda *args: args[-1])
+    got = attnx.scaled_dot_product_attention(q, k, v, mask=mask)
+    assert not blocks
+    np.testing.assert_allclose(got, _masked_reference(q, k, v, mask=mask), **TOLERANCE["float64"])
+    # The same mask for one head is a view: the native takes it.
+    got = attnx.scaled_dot_product_attention(q[:, :1], k[:, :1], v[:, :1], mask=mask, chunk_size=(64, 64))
+    assert blocks
+    np.testing.assert_allclose(got, _masked_reference(q[:, :1], k[:, :1], v[:, :1], mask=mask), **TOLERANCE["float64"])
+
+
+def test_native_computes_no_key_past_every_length(monkeypatch):
+    """A padded batch costs its lengths: a task's products stop at the
+    longest length among its rows, and a sequence of length 0 takes none
+    (its task of one slice gives zeros, and need not run again shifted)."""
+    from attnx_backends import numpy_attention
+
+    rng = np.random.default_rng(6)
+    q, k, v = (rng.standard_normal((3, 1, 256, 64)).astype(np.float32) for _ in range(3))
+    lengths = np.array([100, 37, 0])
+    monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 2)
+    stops = []
+    original = numpy_attention._products
+
+    def recording(query, key_t, buffer, c0, c1):
+        stops.append(c1)
+        return original(query, key_t, buffer, c0, c1)
+
+    monkeypatch.setattr(numpy_attention, "_products", recording)
+    runs = _recorded_blocks(monkeypatch, lambda *args: args[-1])  # shifted
+    got = attnx.scaled_dot_product_attention(q, k, v, key_lengths=lengths)
+    assert sorted(set(stops)) == [37, 100]
+    assert runs == [False] * 3  # zeros for length 0 are exact: nothing runs again
+    np.testing.assert_allclose(got, _masked_reference(q, k, v, key_lengths=lengths), **TOLERANCE["float32"])
+    assert not got[2].any()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.tuples(st.integers(1, 3), st.integers(1, 4)),
+    n=st.integers(1, 300),
+    m=st.integers(1, 300),
+    layout=st.sampled_from(
+        ["padding_mask", "full_mask", "additive_shared", "keys_row", "lengths", "lengths_per_query"]
+    ),
+    is_causal=st.booleans(),
+    threads=st.integers(1, 3),
+    chunks=st.one_of(st.none(), st.tuples(st.integers(1, 128), st.integers(1, 128))),
+)
+def test_masked_calls_of_any_plan_equal_the_reference(batch, n, m, layout, is_causal, threads, chunks):
+    """Every mask layout the native takes, on any threads and blocks, computes
+    the reference's attention (calls it declines, the generic algorithm's)."""
+    rng = np.random.default_rng(n * m + batch[1])
+    q = rng.standard_normal((*batch, n, 16))
+    k, v = (rng.standard_normal((*batch, m, 16)) for _ in range(2))
+    mask = _mask_layouts(rng, batch, n, m)[layout]
+    if layout in ("padding_mask", "lengths"):  # one per batch entry
+        mask = mask[np.arange(batch[0]) % 3]
+    call = {"key_lengths" if layout.startswith("lengths") else "mask": mask}
+    backend = attnx._registry.get("numpy")
+    before, backend.concurrent_blocks = backend.concurrent_blocks, threads
+    try:
+        got = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, chunk_size=chunks, **call)
+    finally:
+        backend.concurrent_blocks = before
+    expected = _masked_reference(q, k, v, is_causal=is_causal, **call)
+    np.testing.assert_allclose(got, expected, **TOLERANCE["float64"])
