@@ -13,7 +13,8 @@ algorithm takes its blocks by batch entries, without that copy.
 
 What a mask does to a block is attnx's rule (:mod:`attnx.natives`): a
 boolean mask or a length forbids a key, a real mask is added to the
-scores.  Lengths also tell which keys no row of a block may see: the
+scores.  Lengths, and masks of one row of keys per slice (padding masks,
+boolean or ``-inf``), also tell which keys no row of a block may see: the
 native does not compute those at all (a padded batch costs its lengths,
 not its longest sequence).
 """
@@ -34,12 +35,14 @@ class SliceMasks:
 
     ``allowed`` (boolean) and ``additive`` (real) are ``(slices or 1, n or
     1, m or 1)``, ``lengths`` (integer) is ``(slices or 1, n or 1, 1)``;
-    each None where the call has none.  :meth:`of` builds them;
+    each None where the call has none.  ``reach`` (``(slices or 1, 1, 1)``,
+    or None) is, for a mask of one row of keys per slice, the keys up to its
+    last allowed one: those past it are not computed, as for lengths.  :meth:`of` builds them;
     :meth:`slices` cuts the slices of a task out of them.
     """
 
-    def __init__(self, allowed: Any, additive: Any, lengths: Any, positions: Any) -> None:
-        self.allowed, self.additive, self.lengths = allowed, additive, lengths
+    def __init__(self, allowed: Any, additive: Any, lengths: Any, reach: Any, positions: Any) -> None:
+        self.allowed, self.additive, self.lengths, self.reach = allowed, additive, lengths, reach
         self.positions = positions  # the keys' positions, 0 to m - 1, where lengths cut them
 
     @classmethod
@@ -47,7 +50,7 @@ class SliceMasks:
         """The masks of a call with leading shape ``batch_shape``, ``n``
         queries and ``m`` keys (validated by attnx), or None where a mask
         would need a copy of ``(n, m)`` items per slice."""
-        allowed = additive = lengths = positions = None
+        allowed = additive = lengths = reach = positions = None
         if mask is not None:
             per_slice = _per_slice(mask, batch_shape)
             if per_slice is None:
@@ -56,22 +59,26 @@ class SliceMasks:
                 allowed = per_slice
             else:
                 additive = per_slice
+            if per_slice.shape[1:] == (1, m) and m > 1:  # one row of keys per slice: a padding mask
+                reach = _reach(per_slice if allowed is not None else per_slice > -np.inf)
         if key_lengths is not None:
             # One length per slice, or per query: (slices, n) at most, small beside the scores.
             lengths = _per_slice(natives.aligned_lengths(xp, key_lengths, batch_shape, n), batch_shape, copy_rows=True)
             positions = np.arange(m)
-        return cls(allowed, additive, lengths, positions)
+        return cls(allowed, additive, lengths, reach, positions)
 
     def slices(self, s0: int, s1: int) -> SliceMasks:
         """The masks of the slices ``s0:s1``."""
-        cut = (_cut(array, 0, s0, s1) for array in (self.allowed, self.additive, self.lengths))
+        cut = (_cut(array, 0, s0, s1) for array in (self.allowed, self.additive, self.lengths, self.reach))
         return SliceMasks(*cut, self.positions)
 
     def key_range(self, r0: int, r1: int, stop: int) -> tuple[int, int]:
         """``(stop, free)`` for the rows ``r0:r1``, given the keys ``0:stop``
-        they may see otherwise: no row's length reaches past the new
-        ``stop``, and every row's reaches ``free``, so the keys before it
-        need no mask for their lengths."""
+        they may see otherwise: no row's length or mask reaches past the new
+        ``stop``, and every row's length reaches ``free``, so the keys
+        before it need no mask for their lengths."""
+        if self.reach is not None:
+            stop = min(stop, int(self.reach.max()))
         if self.lengths is None:
             return stop, stop
         lengths = _cut(self.lengths, 1, r0, r1)
@@ -111,6 +118,14 @@ def _per_slice(array: Any, batch_shape: tuple[int, ...], copy_rows: bool = False
     if core[0] != 1 and not copy_rows and not _mergeable(spread.shape[:-2], spread.strides[:-2]):
         return None
     return spread.reshape(-1, *core)  # a view where mergeable; else a copy of one row of keys per slice
+
+
+def _reach(allowed: Any) -> Any:
+    """``(..., 1)``: one past the last True of each row of ``allowed``
+    (``(..., m)``), 0 where there is none."""
+    m = allowed.shape[-1]
+    last = m - np.argmax(allowed[..., ::-1], axis=-1, keepdims=True)
+    return np.where(allowed.any(axis=-1, keepdims=True), last, 0)
 
 
 def _mergeable(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:

@@ -99,7 +99,9 @@ def test_aligned_lengths_are_the_reference_s_lengths_in_every_layout(shape, leng
     r0, r1 = rows or (0, n)
     assert len(np.broadcast_shapes(aligned.shape, (*batch, r1 - r0, 1))) == len(batch) + 2
     expected = reference.allowed_mask(n, m, batch_shape=batch, key_lengths=key_lengths, lengths_per=lengths_per)
-    np.testing.assert_array_equal(np.broadcast_to(np.arange(m) < aligned, (*batch, r1 - r0, m)), expected[..., r0:r1, :])
+    np.testing.assert_array_equal(
+        np.broadcast_to(np.arange(m) < aligned, (*batch, r1 - r0, m)), expected[..., r0:r1, :]
+    )
 
 
 @pytest.mark.parametrize(

@@ -747,15 +747,24 @@ def test_native_declines_masks_it_would_copy_whole(monkeypatch):
     np.testing.assert_allclose(got, _masked_reference(q[:, :1], k[:, :1], v[:, :1], mask=mask), **TOLERANCE["float64"])
 
 
-def test_native_computes_no_key_past_every_length(monkeypatch):
+@pytest.mark.parametrize("padding", ["key_lengths", "boolean", "additive"])
+def test_native_computes_no_key_past_every_length(monkeypatch, padding):
     """A padded batch costs its lengths: a task's products stop at the
     longest length among its rows, and a sequence of length 0 takes none
-    (its task of one slice gives zeros, and need not run again shifted)."""
+    (its task of one slice gives zeros, and need not run again shifted).
+    So do padding masks, one row of keys per slice, boolean or -inf."""
     from attnx_backends import numpy_attention
 
     rng = np.random.default_rng(6)
     q, k, v = (rng.standard_normal((3, 1, 256, 64)).astype(np.float32) for _ in range(3))
     lengths = np.array([100, 37, 0])
+    kept = np.arange(256) < lengths[:, None, None, None]
+    kept[0, ..., 50] = False  # a hole before the last key: the mask still reaches key 99
+    call = {
+        "key_lengths": {"key_lengths": lengths},
+        "boolean": {"mask": kept},
+        "additive": {"mask": np.where(kept, rng.standard_normal(kept.shape), -np.inf)},
+    }[padding]
     monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 2)
     stops = []
     original = numpy_attention._products
@@ -766,10 +775,10 @@ def test_native_computes_no_key_past_every_length(monkeypatch):
 
     monkeypatch.setattr(numpy_attention, "_products", recording)
     runs = _recorded_blocks(monkeypatch, lambda *args: args[-1])  # shifted
-    got = attnx.scaled_dot_product_attention(q, k, v, key_lengths=lengths)
+    got = attnx.scaled_dot_product_attention(q, k, v, **call)
     assert sorted(set(stops)) == [37, 100]
     assert runs == [False] * 3  # zeros for length 0 are exact: nothing runs again
-    np.testing.assert_allclose(got, _masked_reference(q, k, v, key_lengths=lengths), **TOLERANCE["float32"])
+    np.testing.assert_allclose(got, _masked_reference(q, k, v, **call), **TOLERANCE["float32"])
     assert not got[2].any()
 
 
