@@ -138,3 +138,36 @@ def test_numpy_inplace_baseline(benchmark, shape, causal):
     benchmark.group = f"sdpa {'causal' if causal else 'full'} {shape} float32"
     benchmark.extra_info.update(flops=flops(shape, causal), baseline=True)
     timed(benchmark, lambda: inplace_attention(q, k, v, causal))
+
+
+# -- padded batches: lengths, and the same as a padding mask ----------------------------
+
+PADDED = (4, 8, 512, 64)
+
+
+def padding(backend_name, shape):
+    """Lengths of 100%, 75%, 50% and 25% of the keys by batch entry, and the
+    same as a boolean ``(B, 1, 1, m)`` padding mask."""
+    n = shape[2]
+    lengths = np.resize(np.array([n, 3 * n // 4, n // 2, n // 4]), shape[0])
+    mask = (np.arange(n) < lengths[:, None])[:, None, None, :]
+    return attnx.asarray(lengths, backend=backend_name), attnx.asarray(mask, backend=backend_name)
+
+
+@pytest.mark.parametrize("given", ["key_lengths", "mask"])
+def test_padded_attnx(benchmark, backend, given):
+    q, k, v = inputs(backend.name, PADDED)
+    lengths, mask = padding(backend.name, PADDED)
+    call = {"key_lengths": lengths} if given == "key_lengths" else {"mask": mask}
+    benchmark.group = f"sdpa padded {PADDED} float32"
+    benchmark.extra_info.update(flops=flops(PADDED, False), baseline=False)
+    timed(benchmark, lambda: attnx.scaled_dot_product_attention(q, k, v, **call), backend)
+
+
+def test_padded_torch_sdpa_baseline(benchmark):
+    torch = pytest.importorskip("torch")
+    q, k, v = inputs("torch", PADDED)
+    _, mask = padding("torch", PADDED)
+    benchmark.group = f"sdpa padded {PADDED} float32"
+    benchmark.extra_info.update(flops=flops(PADDED, False), baseline=True)
+    timed(benchmark, lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask), TORCH)
