@@ -55,7 +55,7 @@ from attnx import get_memory_budget, natives
 # of at least MIN_ROWS query rows, at most KEY_CHUNK keys.
 from attnx.natives import KEY_CHUNK, MIN_ROWS
 
-from .numpy_masks import SliceMasks
+from .numpy_masks import BlockMasks, CallMasks
 
 #: Query rows per task at most: more rows per task means fewer tasks to share
 #: among threads, and for causal masks more work spent above the diagonal.
@@ -158,9 +158,7 @@ def scaled_dot_product_attention(
     """attnx's native entry point (see :meth:`attnx.Backend.implementations`);
     ``backend`` (bound by it) runs the tasks on its threads.  A ``chunk_size``
     the user gave sets the rows and keys of each task (``chunks``).  Calls
-    with no query, key or slice it declines (:func:`_slices_taken`), and
-    masks that it would copy whole to lay them out by slice
-    (:meth:`SliceMasks.of`)."""
+    with no query, key or slice it declines (:func:`_slices_taken`)."""
     slices = _slices_taken(query, key, is_causal, return_weights, batch_shape)
     if slices is None:
         return NotImplemented
@@ -173,9 +171,7 @@ def scaled_dot_product_attention(
         if masked:
             return _attend_small_masked(query, key, value, scale, is_causal, mask, key_lengths, batch_shape)
         return _attend_small(query, key, value, scale, is_causal)
-    masks = SliceMasks.of(mask, key_lengths, batch_shape, n, m) if masked else None
-    if masked and masks is None:
-        return NotImplemented
+    masks = CallMasks(mask, key_lengths, batch_shape, n, m) if masked else None
     d_v = value.shape[-1]
     threads, budget = backend.concurrent_blocks, get_memory_budget(backend)
     # Queries within a thread's share of the budget are scaled once, here: a
@@ -242,29 +238,28 @@ def scaled_dot_product_attention(
 
     def attend_rows(s0: int, s1: int, r0: int, r1: int, shifted: bool) -> None:
         scratch = _scratch(size, dtype)
-        task_masks = factors = None
-        if masks is not None:
-            task_masks = masks.slices(s0, s1)
-            if masks.lengths is not None:
-                factors = _scratch(size, dtype, "factors")
-        for b0 in range(r0, r1, inner_rows):
-            b1 = min(r1, b0 + inner_rows)
-            _attend_block(
-                q[s0:s1, b0:b1],
-                key_t[s0:s1],
-                v[s0:s1],
-                output[s0:s1, b0:b1],
-                totals[s0:s1, b0:b1],
-                block_scale,
-                is_causal,
-                b0,
-                n,
-                key_chunk,
-                scratch,
-                task_masks,
-                factors,
-                shifted,
-            )
+        factors = None if masks is None or masks.lengths is None else _scratch(size, dtype, "factors")
+        # A task's slices, cut where a mask's run of slices that are one view ends.
+        for a0, a1 in [(s0, s1)] if masks is None else masks.runs(s0, s1):
+            block_masks = None if masks is None else masks.slices(a0, a1)
+            for b0 in range(r0, r1, inner_rows):
+                b1 = min(r1, b0 + inner_rows)
+                _attend_block(
+                    q[a0:a1, b0:b1],
+                    key_t[a0:a1],
+                    v[a0:a1],
+                    output[a0:a1, b0:b1],
+                    totals[a0:a1, b0:b1],
+                    block_scale,
+                    is_causal,
+                    b0,
+                    n,
+                    key_chunk,
+                    scratch,
+                    block_masks,
+                    factors,
+                    shifted,
+                )
 
     def run(tasks: list[tuple[int, int, int, int]], shifted: bool) -> None:
         if len(tasks) == 1:
@@ -295,8 +290,7 @@ def _as_slices(array: Any, batch_shape: tuple[int, ...], slices: int) -> Any:
 
 def _slices_taken(query: Any, key: Any, is_causal: bool, return_weights: bool, batch_shape: Any) -> int | None:
     """The number of (batch, head) slices of a call this native computes, or
-    None for the calls it hands to the generic algorithm (and, for masks,
-    :meth:`SliceMasks.of`)."""
+    None for the calls it hands to the generic algorithm."""
     n, m = query.shape[-2], key.shape[-2]
     if (
         return_weights
@@ -531,7 +525,7 @@ def _attend_block(
     n: int,
     key_chunk: int,
     buffer: Any,
-    masks: SliceMasks | None,
+    masks: BlockMasks | None,
     factors: Any,
     shifted: bool,
 ) -> None:

@@ -3,13 +3,14 @@ slices, query rows and keys.
 
 The native attends ``(slices, rows, d)`` blocks of the (batch, head) slices
 laid end to end.  A ``mask`` and ``key_lengths`` broadcast over the leading
-shape instead, so here they are laid out once per call as arrays of shape
-``(slices or 1, n or 1, m or 1)``: views of the user's arrays where their
-strides allow, copies where they hold one row of keys per slice (a padding
-mask of shape ``(B, 1, 1, m)`` on ``B x H`` slices: ``B x H x m`` items).
-A mask that would need a copy of a whole ``(n, m)`` per slice (``(B, 1, n,
-m)`` on ``B x H`` slices) is declined, and so is its call: the generic
-algorithm takes its blocks by batch entries, without that copy.
+shape instead, so here they are laid out once per call by slice, as views
+of the user's arrays: the slices of a block are one view where the mask's
+strides merge the leading axes into one.  Where they don't (a ``(B, 1, n,
+m)`` mask, or a ``(1, H, n, m)`` bias, on ``B x H`` slices), the slices
+fall into *runs* (here of ``H``) that are one view each, and the native
+cuts its blocks at the runs' ends.  Masks of one row of keys per slice
+(padding masks, ``(B, 1, 1, m)``) and lengths are copied instead, one row
+per slice, small beside the scores: blocks then need no cut.
 
 What a mask does to a block is attnx's rule (:mod:`attnx.natives`): a
 boolean mask or a length forbids a key, a real mask is added to the
@@ -22,7 +23,7 @@ not its longest sequence).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import array_api_compat.numpy as xp
 import numpy as np
@@ -30,47 +31,50 @@ import numpy as np
 from attnx import natives
 
 
-class SliceMasks:
-    """A call's ``mask`` and ``key_lengths`` by (batch, head) slice.
+class CallMasks:
+    """A call's ``mask`` and ``key_lengths``, laid out by slice
+    (:class:`_Laid`): ``allowed`` (boolean), ``additive`` (real) and
+    ``lengths`` (integer, ``(..., n or 1, 1)``), each None where the call
+    has none.  ``reach`` is, for a mask of one row of keys per slice, the
+    keys up to its last allowed one: those past it are not computed, as for
+    lengths.  :meth:`runs` and :meth:`slices` cut a block's masks out of
+    them."""
 
-    ``allowed`` (boolean) and ``additive`` (real) are ``(slices or 1, n or
-    1, m or 1)``, ``lengths`` (integer) is ``(slices or 1, n or 1, 1)``;
-    each None where the call has none.  ``reach`` (``(slices or 1, 1, 1)``,
-    or None) is, for a mask of one row of keys per slice, the keys up to its
-    last allowed one: those past it are not computed, as for lengths.  :meth:`of` builds them;
-    :meth:`slices` cuts the slices of a task out of them.
-    """
+    def __init__(self, mask: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int) -> None:
+        self.allowed = self.additive = self.lengths = self.reach = self.positions = None
+        if mask is not None:
+            laid = _Laid.of(mask, batch_shape)
+            if laid.array.dtype == np.bool_:
+                self.allowed = laid
+            else:
+                self.additive = laid
+            if laid.array.shape[-2:] == (1, m) and m > 1:  # one row of keys per slice: a padding mask
+                keys = laid.array if self.allowed is not None else laid.array > -np.inf
+                self.reach = laid._replace(array=_reach(keys))
+        if key_lengths is not None:
+            self.lengths = _Laid.of(natives.aligned_lengths(xp, key_lengths, batch_shape, n), batch_shape)
+            self.positions = np.arange(m)  # the keys' positions, which lengths cut
+
+    def runs(self, s0: int, s1: int) -> list[tuple[int, int]]:
+        """The slices ``s0:s1``, cut where a mask's run of slices ends."""
+        run = min(laid.run for laid in (self.allowed, self.additive, self.lengths) if laid is not None)
+        return [(start, min(s1, (start // run + 1) * run)) for start in _starts(s0, s1, run)]
+
+    def slices(self, s0: int, s1: int) -> BlockMasks:
+        """The masks of the slices ``s0:s1``, within one of :meth:`runs`."""
+        laid = (self.allowed, self.additive, self.lengths, self.reach)
+        return BlockMasks(*(None if one is None else one.slices(s0, s1) for one in laid), self.positions)
+
+
+class BlockMasks:
+    """The masks of a block's slices: ``allowed`` (boolean) and ``additive``
+    (real) ``(slices or 1, n or 1, m or 1)``, ``lengths`` (integer) and
+    ``reach`` ``(slices or 1, n or 1, 1)``, each None where the call has
+    none, and ``positions``, the keys' positions where there are lengths."""
 
     def __init__(self, allowed: Any, additive: Any, lengths: Any, reach: Any, positions: Any) -> None:
         self.allowed, self.additive, self.lengths, self.reach = allowed, additive, lengths, reach
-        self.positions = positions  # the keys' positions, 0 to m - 1, where lengths cut them
-
-    @classmethod
-    def of(cls, mask: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int) -> SliceMasks | None:
-        """The masks of a call with leading shape ``batch_shape``, ``n``
-        queries and ``m`` keys (validated by attnx), or None where a mask
-        would need a copy of ``(n, m)`` items per slice."""
-        allowed = additive = lengths = reach = positions = None
-        if mask is not None:
-            per_slice = _per_slice(mask, batch_shape)
-            if per_slice is None:
-                return None
-            if per_slice.dtype == np.bool_:
-                allowed = per_slice
-            else:
-                additive = per_slice
-            if per_slice.shape[1:] == (1, m) and m > 1:  # one row of keys per slice: a padding mask
-                reach = _reach(per_slice if allowed is not None else per_slice > -np.inf)
-        if key_lengths is not None:
-            # One length per slice, or per query: (slices, n) at most, small beside the scores.
-            lengths = _per_slice(natives.aligned_lengths(xp, key_lengths, batch_shape, n), batch_shape, copy_rows=True)
-            positions = np.arange(m)
-        return cls(allowed, additive, lengths, reach, positions)
-
-    def slices(self, s0: int, s1: int) -> SliceMasks:
-        """The masks of the slices ``s0:s1``."""
-        cut = (_cut(array, 0, s0, s1) for array in (self.allowed, self.additive, self.lengths, self.reach))
-        return SliceMasks(*cut, self.positions)
+        self.positions = positions
 
     def key_range(self, r0: int, r1: int, stop: int) -> tuple[int, int]:
         """``(stop, free)`` for the rows ``r0:r1``, given the keys ``0:stop``
@@ -105,19 +109,44 @@ class SliceMasks:
         return additive, allowed, kept
 
 
-def _per_slice(array: Any, batch_shape: tuple[int, ...], copy_rows: bool = False) -> Any:
-    """``array`` (broadcastable to ``(*batch_shape, n, m)``) as ``(slices or
-    1, n or 1, m or 1)``; None where that would copy more than one row per
-    slice, unless ``copy_rows``."""
-    array = np.asarray(array)
-    array = array.reshape((1,) * (len(batch_shape) + 2 - array.ndim) + array.shape)
-    core = array.shape[-2:]
-    if all(size == 1 for size in array.shape[:-2]):
-        return array.reshape(1, *core)
-    spread = np.broadcast_to(array, (*batch_shape, *core))
-    if core[0] != 1 and not copy_rows and not _mergeable(spread.shape[:-2], spread.strides[:-2]):
-        return None
-    return spread.reshape(-1, *core)  # a view where mergeable; else a copy of one row of keys per slice
+class _Laid(NamedTuple):
+    """An array broadcastable to ``(*batch_shape, n, m)``, laid out as
+    ``array`` of shape ``(*outer, run, n or 1, m or 1)``: slice ``s`` is
+    ``array[unravel(s // run, outer)][s % run]``, so that the slices of one
+    run are one view."""
+
+    array: Any
+    outer: tuple[int, ...]
+    run: int
+
+    @classmethod
+    def of(cls, array: Any, batch_shape: tuple[int, ...]) -> _Laid:
+        array = np.asarray(array)
+        array = array.reshape((1,) * (len(batch_shape) + 2 - array.ndim) + array.shape)
+        core, slices = array.shape[-2:], math.prod(batch_shape)
+        if all(size == 1 for size in array.shape[:-2]):  # shared by every slice
+            return cls(array.reshape(1, *core), (), slices)
+        spread = np.broadcast_to(array, (*batch_shape, *core))
+        # The trailing leading axes that merge into one, without a copy.
+        sizes, strides = spread.shape[:-2], spread.strides[:-2]
+        split = len(sizes)
+        while split > 0 and _mergeable(sizes[split - 1 :], strides[split - 1 :]):
+            split -= 1
+        if split > 0 and core[0] == 1:  # one row per slice: copied, small beside the scores, so blocks need no cut
+            return cls(spread.reshape(slices, *core), (), slices)
+        outer, run = sizes[:split], math.prod(sizes[split:])
+        return cls(spread.reshape(*outer, run, *core), outer, run)
+
+    def slices(self, s0: int, s1: int) -> Any:
+        """``(s1 - s0 or 1, n or 1, m or 1)``: the slices ``s0:s1`` of one run."""
+        index, start = divmod(s0, self.run)
+        array = self.array[np.unravel_index(index, self.outer)] if self.outer else self.array
+        return _cut(array, 0, start, start + s1 - s0)
+
+
+def _starts(s0: int, s1: int, run: int) -> list[int]:
+    """Where the slices ``s0:s1`` begin a run of ``run`` slices, ``s0`` first."""
+    return [s0, *range((s0 // run + 1) * run, s1, run)]
 
 
 def _reach(allowed: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 import time
@@ -670,8 +671,8 @@ def _masked_reference(q, k, v, *, mask=None, key_lengths=None, is_causal=False):
 
 
 def _mask_layouts(rng, batch, n, m):
-    """Masks in the layouts the native takes: views of the user's array, or
-    copies of one row of keys per slice."""
+    """Masks in every layout the native takes: views of the user's array,
+    whole or in runs of slices, or copies of one row of keys per slice."""
     return {
         # (B, 1, 1, m) on B x H slices: one row of keys per slice, copied.
         "padding_mask": (np.arange(m) < np.array([m, m // 3, 1])[:, None])[:, None, None, :],
@@ -680,6 +681,9 @@ def _mask_layouts(rng, batch, n, m):
         # (n, m), float64 on float32 scores: cast to the scores' dtype, as attnx's rule says.
         "additive_shared": np.where(rng.random((n, m)) < 0.3, -np.inf, rng.standard_normal((n, m))),
         "keys_row": rng.random(m) < 0.8,
+        # (B, 1, n, m) and a (H, n, m) bias on B x H slices: views in runs of H slices.
+        "per_entry_mask": rng.random((batch[0], 1, n, m)) < 0.7,
+        "per_head_bias": rng.standard_normal((batch[1], n, m)),
         # One length per sequence, one of them 0: a task with no key to attend.
         "lengths": np.array([0, m // 3, m]),
         # One per query, some 0: rows with no key, beside rows with some.
@@ -728,23 +732,33 @@ def test_native_takes_small_masked_calls_in_one_block(monkeypatch):
             got = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **call)
             expected = _masked_reference(q, k, v, is_causal=is_causal, **call)
             np.testing.assert_allclose(got, expected, **TOLERANCE["float64"], err_msg=f"{layout} causal={is_causal}")
-    assert len(small) == 12
+    assert len(small) == 2 * len(_mask_layouts(rng, (3, 2), 6, 6))
 
 
-def test_native_declines_masks_it_would_copy_whole(monkeypatch):
-    """A (B, 1, n, m) mask on B x H slices would be copied whole to lay it out
-    by slices: the generic algorithm takes the call, by batch entries."""
+@pytest.mark.parametrize(
+    "batch, mask_shape, run",
+    [((2, 3), (2, 1), 3), ((2, 3), (1, 3), 3), ((3,), (3,), 3), ((2, 2, 3), (2, 1, 3), 3), ((2, 3), (1, 1), 6)],
+    ids=["per-entry", "per-head", "merged", "three-axes", "shared"],
+)
+def test_native_cuts_blocks_where_a_mask_s_slices_stop_being_one_view(monkeypatch, batch, mask_shape, run):
+    """A (B, 1, n, m) mask, or a (1, H, n, m) bias, on B x H slices is not one
+    view of the slices laid end to end: it is laid out in runs of H slices,
+    views of the user's array, and a task of more slices is cut at the runs'
+    ends (one thread with a large budget: one task of every slice)."""
+    from attnx_backends import numpy_masks
+
     rng = np.random.default_rng(5)
-    q, k, v = (rng.standard_normal((2, 4, 128, 16)) for _ in range(3))
-    mask = rng.random((2, 1, 128, 128)) < 0.5
-    blocks = _recorded_blocks(monkeypatch, lambda *args: args[-1])
-    got = attnx.scaled_dot_product_attention(q, k, v, mask=mask)
-    assert not blocks
+    n = 256  # (3, 256, 256) scores: more than a small call's one block
+    q, k, v = (rng.standard_normal((*batch, n, 16)) for _ in range(3))
+    mask = rng.random((*mask_shape, n, n)) < 0.5
+    laid = numpy_masks.CallMasks(mask, None, batch, n, n).allowed
+    assert np.shares_memory(laid.array, mask) and laid.run == run
+    monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 1)
+    blocks = _recorded_blocks(monkeypatch, lambda query, *args: query.shape[0])
+    with attnx.memory_budget(2**30):
+        got = attnx.scaled_dot_product_attention(q, k, v, mask=mask, chunk_size=None)
+    assert blocks == [run] * (math.prod(batch) // run)
     np.testing.assert_allclose(got, _masked_reference(q, k, v, mask=mask), **TOLERANCE["float64"])
-    # The same mask for one head is a view: the native takes it.
-    got = attnx.scaled_dot_product_attention(q[:, :1], k[:, :1], v[:, :1], mask=mask, chunk_size=(64, 64))
-    assert blocks
-    np.testing.assert_allclose(got, _masked_reference(q[:, :1], k[:, :1], v[:, :1], mask=mask), **TOLERANCE["float64"])
 
 
 @pytest.mark.parametrize("padding", ["key_lengths", "boolean", "additive"])
@@ -787,9 +801,7 @@ def test_native_computes_no_key_past_every_length(monkeypatch, padding):
     batch=st.tuples(st.integers(1, 3), st.integers(1, 4)),
     n=st.integers(1, 300),
     m=st.integers(1, 300),
-    layout=st.sampled_from(
-        ["padding_mask", "full_mask", "additive_shared", "keys_row", "lengths", "lengths_per_query"]
-    ),
+    layout=st.sampled_from(list(_mask_layouts(np.random.default_rng(0), (1, 1), 1, 1))),
     is_causal=st.booleans(),
     threads=st.integers(1, 3),
     chunks=st.one_of(st.none(), st.tuples(st.integers(1, 128), st.integers(1, 128))),
