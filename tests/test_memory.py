@@ -51,6 +51,24 @@ def test_long_sequences_stay_within_their_memory(n, is_causal, limit):
     np.testing.assert_allclose(out[0, 0, rows], expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("masks", ["key_lengths_per_query", "padding_mask", "full_mask"])
+def test_masked_long_sequences_stay_within_their_memory(masks):
+    """Masks are cut into the blocks' scores (one row of lengths' factors at
+    most per row of scores): a masked (1, 1, 8192, 64) call keeps within the
+    same 16 MiB, beside a full boolean mask's own 64 MiB."""
+    gen = np.random.default_rng(3)
+    n = 8192
+    q, k, v = (gen.standard_normal((1, 1, n, 64), dtype=np.float32) for _ in range(3))
+    call = {
+        "key_lengths_per_query": {"key_lengths": gen.integers(0, n + 1, (1, 1, n))},
+        "padding_mask": {"mask": np.arange(n) < n - 100},
+        "full_mask": {"mask": gen.random((n, n)) < 0.9},
+    }[masks]
+    peak, out = peak_bytes(lambda: attnx.scaled_dot_product_attention(q, k, v, **call))
+    assert peak <= 16 * MiB, f"peak {peak / MiB:.1f} MiB over 16 MiB"
+    assert np.isfinite(out).all()
+
+
 def test_threads_share_the_budget():
     """More threads, the same budget: each block gets its share."""
     gen = np.random.default_rng(1)
