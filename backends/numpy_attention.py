@@ -34,8 +34,9 @@ work (four such checks a task took 63 us of a (1, 8, 128, 64) call's
 Masks (``mask``, ``key_lengths``) are laid out by slice once per call
 (:mod:`.numpy_masks`) and applied as the causal band is: a product with the
 exponentials (a real mask is added to the scores first).  A row with no key
-left has a sum of 0, which fails the test above: the shifted run gives it
-zeros, as attnx's algorithm does.
+left has a sum of 0, which fails the test above: where the masks show that
+it has no key (not that its exponentials all underflowed), it gets its
+zeros, as attnx's algorithm does, without a second run.
 """
 
 from __future__ import annotations
@@ -269,6 +270,8 @@ def scaled_dot_product_attention(
 
     run(tasks, False)
     if not _exact_unshifted(totals, output, m):
+        if masks is not None:  # rows with no key to attend: their zeros are exact, and need no second run
+            masks.settle_empty_rows(totals, output, is_causal)
         run(
             [
                 (s0, s1, r0, r1)

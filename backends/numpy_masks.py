@@ -42,6 +42,7 @@ class CallMasks:
 
     def __init__(self, mask: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int) -> None:
         self.allowed = self.additive = self.lengths = self.reach = self.positions = None
+        self.m = m
         if mask is not None:
             laid = _Laid.of(mask, batch_shape)
             if laid.array.dtype == np.bool_:
@@ -54,6 +55,32 @@ class CallMasks:
         if key_lengths is not None:
             self.lengths = _Laid.of(natives.aligned_lengths(xp, key_lengths, batch_shape, n), batch_shape)
             self.positions = np.arange(m)  # the keys' positions, which lengths cut
+
+    def settle_empty_rows(self, totals: Any, output: Any, is_causal: bool) -> None:
+        """Give the rows that no mask lets attend any key (``(slices, n, 1)``
+        ``totals`` and ``(slices, n, d_v)`` ``output``) a sum of 1 and
+        zeros: what they are, whatever their unshifted run left there.
+
+        A row has a key to attend where its mask's first allowed key comes
+        before its length and, if causal, at or before its diagonal (both
+        cut the keys from the end).  Read from the values once per call, and
+        only for calls where some sum failed: a pass over the mask."""
+        slices, n = totals.shape[:2]
+        m = self.m
+        first = np.zeros((1, 1), dtype=np.intp)  # without a mask: key 0
+        for laid in (self.allowed, self.additive):
+            if laid is not None:
+                allowed = laid.array if laid is self.allowed else laid.array > -np.inf
+                found = np.where(allowed.any(axis=-1), np.argmax(allowed, axis=-1), m)
+                first = found.reshape(-1, found.shape[-1])  # (slices or 1, n or 1)
+        limit = np.full((1, 1), m)
+        if self.lengths is not None:
+            limit = self.lengths.array.reshape(-1, self.lengths.array.shape[-2])
+        if is_causal:  # the keys up to each row's diagonal, i + m - n
+            limit = np.minimum(limit, np.arange(n)[None, :] + (m - n + 1))
+        empty = np.broadcast_to(first >= limit, (slices, n))
+        totals[empty] = 1
+        output[empty] = 0
 
     def runs(self, s0: int, s1: int) -> list[tuple[int, int]]:
         """The slices ``s0:s1``, cut where a mask's run of slices ends."""

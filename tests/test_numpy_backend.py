@@ -761,6 +761,45 @@ def test_native_cuts_blocks_where_a_mask_s_slices_stop_being_one_view(monkeypatc
     np.testing.assert_allclose(got, _masked_reference(q, k, v, mask=mask), **TOLERANCE["float64"])
 
 
+@pytest.mark.filterwarnings("error")  # nothing of the unshifted run reaches the user
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_rows_with_no_key_need_no_second_run_and_rows_that_underflow_do(monkeypatch, is_causal):
+    """Padded queries that attend nothing (a (B, 1, n, m) mask of valid
+    queries and keys) sum to 0 unshifted: they are zeros, and no task runs
+    again for them.  Rows whose keys are all allowed but far below the
+    others (an additive -1e30: every exponential underflows) sum to 0 too,
+    and run again: shifted, they attend their keys evenly."""
+    rng = np.random.default_rng(8)
+    n, lengths = 256, np.array([256, 100, 0])
+    q, k, v = (rng.standard_normal((3, 4, n, 32)) for _ in range(3))
+    valid = np.arange(n) < lengths[:, None]
+    mask = (valid[:, :, None] & valid[:, None, :])[:, None]
+    monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 2)
+    runs = _recorded_blocks(monkeypatch, lambda *args: args[-1])  # shifted
+    got = attnx.scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
+    assert runs and True not in runs
+    np.testing.assert_allclose(got, _masked_reference(q, k, v, mask=mask, is_causal=is_causal), **TOLERANCE["float64"])
+    assert not got[1, :, 100:].any() and not got[2].any()
+    if is_causal:  # even rows may attend their diagonal key only, odd rows the next key only: their future
+        rows = np.arange(n)
+        diagonal = np.zeros((n, n), dtype=bool)
+        diagonal[rows, np.minimum(rows + rows % 2, n - 1)] = True
+        runs.clear()
+        got = attnx.scaled_dot_product_attention(q, k, v, mask=diagonal, is_causal=True)
+        assert True not in runs
+        np.testing.assert_allclose(got[:, :, ::2], v[:, :, ::2], **TOLERANCE["float64"])
+        assert not got[:, :, 1:-1:2].any()
+    runs.clear()
+    additive = np.where(mask, 0.0, -np.inf)
+    additive[0, :, 5] = -1e30  # query 5 of entry 0: its keys are allowed, but underflow unshifted
+    got = attnx.scaled_dot_product_attention(q, k, v, mask=additive, is_causal=is_causal)
+    assert True in runs
+    np.testing.assert_allclose(
+        got, _masked_reference(q, k, v, mask=additive, is_causal=is_causal), **TOLERANCE["float64"]
+    )
+    np.testing.assert_allclose(got[0, :, 5], v[0, :, : 6 if is_causal else n].mean(axis=-2), **TOLERANCE["float64"])
+
+
 @pytest.mark.parametrize("padding", ["key_lengths", "boolean", "additive"])
 def test_native_computes_no_key_past_every_length(monkeypatch, padding):
     """A padded batch costs its lengths: a task's products stop at the
