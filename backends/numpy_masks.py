@@ -9,8 +9,9 @@ strides merge the leading axes into one.  Where they don't (a ``(B, 1, n,
 m)`` mask, or a ``(1, H, n, m)`` bias, on ``B x H`` slices), the slices
 fall into *runs* (here of ``H``) that are one view each, and the native
 cuts its blocks at the runs' ends.  Masks of one row of keys per slice
-(padding masks, ``(B, 1, 1, m)``) and lengths are copied instead, one row
-per slice, small beside the scores: blocks then need no cut.
+(padding masks, ``(B, 1, 1, m)``) and lengths of one per sequence are
+copied instead, one row per slice, small beside the scores: blocks then
+need no cut.
 
 What a mask does to a block is attnx's rule (:mod:`attnx.natives`): a
 boolean mask or a length forbids a key, a real mask is added to the
