@@ -36,13 +36,14 @@ class CallMasks:
     """A call's ``mask`` and ``key_lengths``, laid out by slice
     (:class:`_Laid`): ``allowed`` (boolean), ``additive`` (real) and
     ``lengths`` (integer, ``(..., n or 1, 1)``), each None where the call
-    has none.  ``reach`` is, for a mask of one row of keys per slice, the
-    keys up to its last allowed one: those past it are not computed, as for
-    lengths.  :meth:`runs` and :meth:`slices` cut a block's masks out of
-    them."""
+    has none.  For a mask of one row of keys per slice, ``reach`` is the
+    keys up to its last allowed one (those past it are not computed, as for
+    lengths) and ``untouched`` the keys before the first it forbids or
+    shifts (blocks of those alone need no mask).  :meth:`runs` and
+    :meth:`slices` cut a block's masks out of them."""
 
     def __init__(self, mask: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int) -> None:
-        self.allowed = self.additive = self.lengths = self.reach = self.positions = None
+        self.allowed = self.additive = self.lengths = self.reach = self.untouched = self.positions = None
         self.m = m
         if mask is not None:
             laid = _Laid.of(mask, batch_shape)
@@ -53,6 +54,8 @@ class CallMasks:
             if laid.array.shape[-2:] == (1, m) and m > 1:  # one row of keys per slice: a padding mask
                 keys = laid.array if self.allowed is not None else laid.array > -np.inf
                 self.reach = laid._replace(array=_reach(keys))
+                kept = keys if self.allowed is not None else laid.array == 0
+                self.untouched = laid._replace(array=_first(~kept))
         if key_lengths is not None:
             self.lengths = _Laid.of(natives.aligned_lengths(xp, key_lengths, batch_shape, n), batch_shape)
             self.positions = np.arange(m)  # the keys' positions, which lengths cut
@@ -72,7 +75,7 @@ class CallMasks:
         for laid in (self.allowed, self.additive):
             if laid is not None:
                 allowed = laid.array if laid is self.allowed else laid.array > -np.inf
-                found = np.where(allowed.any(axis=-1), np.argmax(allowed, axis=-1), m)
+                found = _first(allowed)[..., 0]
                 first = found.reshape(-1, found.shape[-1])  # (slices or 1, n or 1)
         limit = np.full((1, 1), m)
         if self.lengths is not None:
@@ -90,39 +93,46 @@ class CallMasks:
 
     def slices(self, s0: int, s1: int) -> BlockMasks:
         """The masks of the slices ``s0:s1``, within one of :meth:`runs`."""
-        laid = (self.allowed, self.additive, self.lengths, self.reach)
+        laid = (self.allowed, self.additive, self.lengths, self.reach, self.untouched)
         return BlockMasks(*(None if one is None else one.slices(s0, s1) for one in laid), self.positions)
 
 
 class BlockMasks:
     """The masks of a block's slices: ``allowed`` (boolean) and ``additive``
     (real) ``(slices or 1, n or 1, m or 1)``, ``lengths`` (integer) and
-    ``reach`` ``(slices or 1, n or 1, 1)``, each None where the call has
-    none, and ``positions``, the keys' positions where there are lengths."""
+    ``reach`` and ``untouched`` ``(slices or 1, n or 1, 1)``, each None
+    where the call has none, and ``positions``, the keys' positions where
+    there are lengths."""
 
-    def __init__(self, allowed: Any, additive: Any, lengths: Any, reach: Any, positions: Any) -> None:
-        self.allowed, self.additive, self.lengths, self.reach = allowed, additive, lengths, reach
-        self.positions = positions
+    def __init__(self, allowed: Any, additive: Any, lengths: Any, reach: Any, untouched: Any, positions: Any) -> None:
+        self.allowed, self.additive, self.lengths = allowed, additive, lengths
+        self.reach, self.untouched, self.positions = reach, untouched, positions
 
     def key_range(self, r0: int, r1: int, stop: int) -> tuple[int, int]:
         """``(stop, free)`` for the rows ``r0:r1``, given the keys ``0:stop``
         they may see otherwise: no row's length or mask reaches past the new
-        ``stop``, and every row's length reaches ``free``, so the keys
-        before it need no mask for their lengths."""
+        ``stop``, and no length or mask of one row of keys per slice acts on
+        a key before ``free``, so blocks of those keys need neither."""
+        free = stop
         if self.reach is not None:
             stop = min(stop, int(self.reach.max()))
-        if self.lengths is None:
-            return stop, stop
-        lengths = _cut(self.lengths, 1, r0, r1)
-        return min(stop, int(lengths.max())), min(stop, int(lengths.min()))
+            free = min(stop, int(self.untouched.min()))
+        if self.lengths is not None:
+            lengths = _cut(self.lengths, 1, r0, r1)
+            stop = min(stop, int(lengths.max()))
+            free = min(free, stop, int(lengths.min()))
+        return stop, free
 
     def block(self, r0: int, r1: int, c0: int, c1: int, free: int, dtype: Any, factors: Any) -> tuple[Any, Any, Any]:
         """``(additive, allowed, kept)`` for the rows ``r0:r1`` and the keys
         ``c0:c1``, each broadcastable to the block's scores or None: the
-        real mask in ``dtype``, the boolean mask, and (where the keys reach
-        past ``free``) the lengths' factor of 1 for a key a row may see and
-        0 for one it may not, written into the flat buffer ``factors``."""
+        real mask in ``dtype``, the boolean mask, and the lengths' factor of
+        1 for a key a row may see and 0 for one it may not, written into the
+        flat buffer ``factors``; the lengths and a mask of one row of keys
+        per slice only where the keys reach past ``free``."""
         additive = allowed = kept = None
+        if self.untouched is not None and c1 <= free:  # a padding mask (and lengths), before their first hole
+            return None, None, None
         if self.additive is not None:
             additive = _cut(_cut(self.additive, 1, r0, r1), 2, c0, c1)
             if additive.dtype != dtype:  # attnx's rule: a real mask takes the scores' dtype, then adds
@@ -175,6 +185,12 @@ class _Laid(NamedTuple):
 def _starts(s0: int, s1: int, run: int) -> list[int]:
     """Where the slices ``s0:s1`` begin a run of ``run`` slices, ``s0`` first."""
     return [s0, *range((s0 // run + 1) * run, s1, run)]
+
+
+def _first(found: Any) -> Any:
+    """``(..., 1)``: the first True of each row of ``found`` (``(..., m)``),
+    ``m`` where there is none."""
+    return np.where(found.any(axis=-1, keepdims=True), np.argmax(found, axis=-1, keepdims=True), found.shape[-1])
 
 
 def _reach(allowed: Any) -> Any:

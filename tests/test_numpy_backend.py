@@ -800,6 +800,43 @@ def test_rows_with_no_key_need_no_second_run_and_rows_that_underflow_do(monkeypa
     np.testing.assert_allclose(got[0, :, 5], v[0, :, : 6 if is_causal else n].mean(axis=-2), **TOLERANCE["float64"])
 
 
+@pytest.mark.parametrize("padding", ["key_lengths", "boolean", "additive", "additive_shifts"])
+def test_padding_masks_act_only_on_blocks_past_their_first_hole(monkeypatch, padding):
+    """Key blocks before a padding mask's first forbidden (or, real, shifted)
+    key, and before every length, take no mask at all: lengths of 150 need
+    none (the keys stop there), a padding mask that also forbids key 100
+    acts from the block that holds it."""
+    from attnx_backends import numpy_masks
+
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((1, 2, 256, 32)) for _ in range(3))
+    lengths = np.array([150])
+    kept = np.arange(256) < 150
+    kept[100] = False
+    additive = np.where(kept, 0.0, -np.inf)
+    if padding == "additive_shifts":
+        additive[70] = 0.5  # shifts key 70
+    call = {
+        "key_lengths": {"key_lengths": lengths},
+        "boolean": {"mask": kept},
+        "additive": {"mask": additive},
+        "additive_shifts": {"mask": additive},
+    }[padding]
+    masked = []
+    original = numpy_masks.BlockMasks.block
+
+    def recording(self, r0, r1, c0, c1, *args):
+        found = original(self, r0, r1, c0, c1, *args)
+        masked.append((c1, any(part is not None for part in found)))
+        return found
+
+    monkeypatch.setattr(numpy_masks.BlockMasks, "block", recording)
+    got = attnx.scaled_dot_product_attention(q, k, v, chunk_size=(64, 32), **call)
+    first_hole = {"key_lengths": 150, "boolean": 100, "additive": 100, "additive_shifts": 70}[padding]
+    assert masked and all(applied == (c1 > first_hole) for c1, applied in masked), masked
+    np.testing.assert_allclose(got, _masked_reference(q, k, v, **call), **TOLERANCE["float64"])
+
+
 @pytest.mark.parametrize("padding", ["key_lengths", "boolean", "additive"])
 def test_native_computes_no_key_past_every_length(monkeypatch, padding):
     """A padded batch costs its lengths: a task's products stop at the
