@@ -389,16 +389,8 @@ def _attend_small_masked(
     over the whole call, and the rows are shifted by their maxima (a row
     with no key to attend has none: its shift is 0 and its output zeros)."""
     n, m = query.shape[-2], key.shape[-2]
-    combined = natives.combined_mask(
-        xp,
-        mask=mask,
-        key_lengths=key_lengths,
-        is_causal=is_causal,
-        batch_shape=batch_shape,
-        n=n,
-        m=m,
-        dtype=query.dtype,
-    )
+    masks = {"mask": mask, "key_lengths": key_lengths, "is_causal": is_causal, "batch_shape": batch_shape}
+    combined = natives.combined_mask(xp, n=n, m=m, dtype=query.dtype, **masks)
     scores = np.matmul(query * scale, key.swapaxes(-1, -2))
     # Out of place: a mask may have leading axes that the scores broadcast over (the values had them).
     if combined.dtype == np.bool_:
