@@ -52,7 +52,7 @@ class CallMasks:
             else:
                 self.additive = laid
             if laid.array.shape[-2:] == (1, m) and m > 1:  # one row of keys per slice: a padding mask
-                keys = laid.array if self.allowed is not None else laid.array > -np.inf
+                keys = _allowed_keys(laid.array)
                 self.reach = laid._replace(array=_reach(keys))
                 kept = keys if self.allowed is not None else laid.array == 0
                 self.untouched = laid._replace(array=_first(~kept))
@@ -72,11 +72,10 @@ class CallMasks:
         slices, n = totals.shape[:2]
         m = self.m
         first = np.zeros((1, 1), dtype=np.intp)  # without a mask: key 0
-        for laid in (self.allowed, self.additive):
-            if laid is not None:
-                allowed = laid.array if laid is self.allowed else laid.array > -np.inf
-                found = _first(allowed)[..., 0]
-                first = found.reshape(-1, found.shape[-1])  # (slices or 1, n or 1)
+        mask = self.allowed if self.allowed is not None else self.additive
+        if mask is not None:
+            found = _first(_allowed_keys(mask.array))[..., 0]
+            first = found.reshape(-1, found.shape[-1])  # (slices or 1, n or 1)
         limit = np.full((1, 1), m)
         if self.lengths is not None:
             limit = self.lengths.array.reshape(-1, self.lengths.array.shape[-2])
@@ -196,9 +195,13 @@ def _first(found: Any) -> Any:
 def _reach(allowed: Any) -> Any:
     """``(..., 1)``: one past the last True of each row of ``allowed``
     (``(..., m)``), 0 where there is none."""
-    m = allowed.shape[-1]
-    last = m - np.argmax(allowed[..., ::-1], axis=-1, keepdims=True)
-    return np.where(allowed.any(axis=-1, keepdims=True), last, 0)
+    return allowed.shape[-1] - _first(allowed[..., ::-1])
+
+
+def _allowed_keys(mask: Any) -> Any:
+    """Where a boolean or real mask lets a query attend a key (a real mask
+    forbids with ``-inf`` only)."""
+    return mask if mask.dtype == np.bool_ else mask > -np.inf
 
 
 def _mergeable(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
