@@ -274,11 +274,23 @@ def test_read_only_arrays_are_never_updated_in_place():
     assert not can_mutate(np.broadcast_to(np.ones(3), (2, 3)))
 
 
-def _reference(q, k, v, is_causal=False):
+def _reference(q, k, v, is_causal=False, *, mask=None, key_lengths=None):
     """The conformance kit's float64 attention (causal: query i sees keys up
-    to i + m - n, the last query every key)."""
-    allowed = reference.allowed_mask(q.shape[-2], k.shape[-2], is_causal=is_causal)
-    return reference.scaled_dot_product_attention(q, k, v, allowed=allowed)[0]
+    to i + m - n, the last query every key), with a call's masks (lengths
+    one per batch entry, or one per query where they have a query axis)."""
+    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    n, m = q.shape[-2], k.shape[-2]
+    real = mask is not None and mask.dtype != bool
+    allowed = reference.allowed_mask(
+        n,
+        m,
+        batch_shape=batch,
+        mask=None if real else mask,
+        key_lengths=key_lengths,
+        lengths_per="query" if key_lengths is not None and key_lengths.ndim == len(batch) + 1 else "batch",
+        is_causal=is_causal,
+    )
+    return reference.scaled_dot_product_attention(q, k, v, allowed=allowed, additive=mask if real else None)[0]
 
 
 @pytest.mark.filterwarnings("error")  # nothing of the unshifted run reaches the user
@@ -652,24 +664,6 @@ def test_native_plan_keeps_each_thread_within_its_share_of_the_budget(
 # -- masked calls in the native ---------------------------------------------
 
 
-def _masked_reference(q, k, v, *, mask=None, key_lengths=None, is_causal=False):
-    """The conformance kit's float64 attention with a call's masks (lengths
-    one per batch entry, or one per query where they have a query axis)."""
-    batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
-    n, m = q.shape[-2], k.shape[-2]
-    real = mask is not None and mask.dtype != bool
-    allowed = reference.allowed_mask(
-        n,
-        m,
-        batch_shape=batch,
-        mask=None if real else mask,
-        key_lengths=key_lengths,
-        lengths_per="query" if key_lengths is not None and key_lengths.ndim == len(batch) + 1 else "batch",
-        is_causal=is_causal,
-    )
-    return reference.scaled_dot_product_attention(q, k, v, allowed=allowed, additive=mask if real else None)[0]
-
-
 def _mask_layouts(rng, batch, n, m):
     """Masks in every layout the native takes: views of the user's array,
     whole or in runs of slices, or copies of one row of keys per slice."""
@@ -711,7 +705,7 @@ def test_native_takes_masked_calls_and_equals_the_reference(monkeypatch, layout,
     blocks = _recorded_blocks(monkeypatch, lambda *args: args[-1])
     got = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, chunk_size=chunk_size, **call)
     assert blocks, "the native declined the call"
-    expected = _masked_reference(q, k, v, is_causal=is_causal, **call)
+    expected = _reference(q, k, v, is_causal=is_causal, **call)
     np.testing.assert_allclose(got, expected, **TOLERANCE[dtype])
 
 
@@ -730,7 +724,7 @@ def test_native_takes_small_masked_calls_in_one_block(monkeypatch):
         call = {"key_lengths" if layout.startswith("lengths") else "mask": mask}
         for is_causal in (False, True):
             got = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, **call)
-            expected = _masked_reference(q, k, v, is_causal=is_causal, **call)
+            expected = _reference(q, k, v, is_causal=is_causal, **call)
             np.testing.assert_allclose(got, expected, **TOLERANCE["float64"], err_msg=f"{layout} causal={is_causal}")
     assert len(small) == 2 * len(_mask_layouts(rng, (3, 2), 6, 6))
 
@@ -758,7 +752,7 @@ def test_native_cuts_blocks_where_a_mask_s_slices_stop_being_one_view(monkeypatc
     with attnx.memory_budget(2**30):
         got = attnx.scaled_dot_product_attention(q, k, v, mask=mask, chunk_size=None)
     assert blocks == [run] * (math.prod(batch) // run)
-    np.testing.assert_allclose(got, _masked_reference(q, k, v, mask=mask), **TOLERANCE["float64"])
+    np.testing.assert_allclose(got, _reference(q, k, v, mask=mask), **TOLERANCE["float64"])
 
 
 @pytest.mark.filterwarnings("error")  # nothing of the unshifted run reaches the user
@@ -778,7 +772,7 @@ def test_rows_with_no_key_need_no_second_run_and_rows_that_underflow_do(monkeypa
     runs = _recorded_blocks(monkeypatch, lambda *args: args[-1])  # shifted
     got = attnx.scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
     assert runs and True not in runs
-    np.testing.assert_allclose(got, _masked_reference(q, k, v, mask=mask, is_causal=is_causal), **TOLERANCE["float64"])
+    np.testing.assert_allclose(got, _reference(q, k, v, mask=mask, is_causal=is_causal), **TOLERANCE["float64"])
     assert not got[1, :, 100:].any() and not got[2].any()
     if is_causal:  # even rows may attend their diagonal key only, odd rows the next key only: their future
         rows = np.arange(n)
@@ -794,9 +788,7 @@ def test_rows_with_no_key_need_no_second_run_and_rows_that_underflow_do(monkeypa
     additive[0, :, 5] = -1e30  # query 5 of entry 0: its keys are allowed, but underflow unshifted
     got = attnx.scaled_dot_product_attention(q, k, v, mask=additive, is_causal=is_causal)
     assert True in runs
-    np.testing.assert_allclose(
-        got, _masked_reference(q, k, v, mask=additive, is_causal=is_causal), **TOLERANCE["float64"]
-    )
+    np.testing.assert_allclose(got, _reference(q, k, v, mask=additive, is_causal=is_causal), **TOLERANCE["float64"])
     np.testing.assert_allclose(got[0, :, 5], v[0, :, : 6 if is_causal else n].mean(axis=-2), **TOLERANCE["float64"])
 
 
@@ -834,7 +826,7 @@ def test_padding_masks_act_only_on_blocks_past_their_first_hole(monkeypatch, pad
     got = attnx.scaled_dot_product_attention(q, k, v, chunk_size=(64, 32), **call)
     first_hole = {"key_lengths": 150, "boolean": 100, "additive": 100, "additive_shifts": 70}[padding]
     assert masked and all(applied == (c1 > first_hole) for c1, applied in masked), masked
-    np.testing.assert_allclose(got, _masked_reference(q, k, v, **call), **TOLERANCE["float64"])
+    np.testing.assert_allclose(got, _reference(q, k, v, **call), **TOLERANCE["float64"])
 
 
 @pytest.mark.parametrize("padding", ["key_lengths", "boolean", "additive"])
@@ -868,7 +860,7 @@ def test_native_computes_no_key_past_every_length(monkeypatch, padding):
     got = attnx.scaled_dot_product_attention(q, k, v, **call)
     assert sorted(set(stops)) == [37, 100]
     assert runs == [False] * 3  # zeros for length 0 are exact: nothing runs again
-    np.testing.assert_allclose(got, _masked_reference(q, k, v, **call), **TOLERANCE["float32"])
+    np.testing.assert_allclose(got, _reference(q, k, v, **call), **TOLERANCE["float32"])
     assert not got[2].any()
 
 
@@ -898,5 +890,5 @@ def test_masked_calls_of_any_plan_equal_the_reference(batch, n, m, layout, is_ca
         got = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, chunk_size=chunks, **call)
     finally:
         backend.concurrent_blocks = before
-    expected = _masked_reference(q, k, v, is_causal=is_causal, **call)
+    expected = _reference(q, k, v, is_causal=is_causal, **call)
     np.testing.assert_allclose(got, expected, **TOLERANCE["float64"])
