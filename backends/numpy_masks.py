@@ -51,7 +51,7 @@ class CallMasks:
                 self.allowed = laid
             else:
                 self.additive = laid
-            if laid.array.shape[-2:] == (1, m) and m > 1:  # one row of keys per slice: a padding mask
+            if laid.array.shape[-2:] == (1, m):  # one row of keys per slice: a padding mask
                 keys = _allowed_keys(laid.array)
                 self.reach = laid._replace(array=_reach(keys))
                 kept = keys if self.allowed is not None else laid.array == 0

@@ -731,8 +731,15 @@ def test_native_takes_small_masked_calls_in_one_block(monkeypatch):
 
 @pytest.mark.parametrize(
     "batch, mask_shape, run",
-    [((2, 3), (2, 1), 3), ((2, 3), (1, 3), 3), ((3,), (3,), 3), ((2, 2, 3), (2, 1, 3), 3), ((2, 3), (1, 1), 6)],
-    ids=["per-entry", "per-head", "merged", "three-axes", "shared"],
+    [
+        ((2, 3), (2, 1), 3),
+        ((2, 3), (1, 3), 3),
+        ((3,), (3,), 3),
+        ((2, 3), (2, 3), 6),
+        ((2, 2, 3), (2, 1, 3), 3),
+        ((2, 3), (1, 1), 6),
+    ],
+    ids=["per-entry", "per-head", "merged", "full", "three-axes", "shared"],
 )
 def test_native_cuts_blocks_where_a_mask_s_slices_stop_being_one_view(monkeypatch, batch, mask_shape, run):
     """A (B, 1, n, m) mask, or a (1, H, n, m) bias, on B x H slices is not one
@@ -753,6 +760,42 @@ def test_native_cuts_blocks_where_a_mask_s_slices_stop_being_one_view(monkeypatc
         got = attnx.scaled_dot_product_attention(q, k, v, mask=mask, chunk_size=None)
     assert blocks == [run] * (math.prod(batch) // run)
     np.testing.assert_allclose(got, _reference(q, k, v, mask=mask), **TOLERANCE["float64"])
+
+
+def test_padding_masks_on_slices_that_do_not_merge_are_copied_and_need_no_cut(monkeypatch):
+    """A (B, 1, 1, m) padding mask on B x H slices is one row of keys per
+    slice: copied (small beside the scores), in one run of every slice, so
+    a task's block is not cut at the heads' ends."""
+    from attnx_backends import numpy_masks
+
+    rng = np.random.default_rng(5)
+    n = 256
+    q, k, v = (rng.standard_normal((2, 3, n, 16)) for _ in range(3))
+    mask = (np.arange(n) < np.array([n, 100])[:, None])[:, None, None, :]
+    laid = numpy_masks.CallMasks(mask, None, (2, 3), n, n).allowed
+    assert not np.shares_memory(laid.array, mask) and laid.run == 6
+    monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 1)
+    blocks = _recorded_blocks(monkeypatch, lambda query, *args: query.shape[0])
+    with attnx.memory_budget(2**30):
+        got = attnx.scaled_dot_product_attention(q, k, v, mask=mask, chunk_size=None)
+    assert blocks == [6]
+    np.testing.assert_allclose(got, _reference(q, k, v, mask=mask), **TOLERANCE["float64"])
+
+
+@pytest.mark.parametrize("mask_dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_real_mask_reaches_blocks_in_the_scores_dtype(mask_dtype, dtype):
+    """attnx's rule: a real mask takes the scores' dtype, then adds.  A
+    block gets a view of the user's mask where the dtypes agree, a cast
+    where they don't."""
+    from attnx_backends import numpy_masks
+
+    mask = np.random.default_rng(10).standard_normal((2, 8, 8)).astype(mask_dtype)
+    masks = numpy_masks.CallMasks(mask, None, (2,), 8, 8).slices(0, 2)
+    additive, allowed, kept = masks.block(0, 8, 0, 8, 0, np.dtype(dtype), None)
+    assert allowed is None and kept is None and additive.dtype == dtype
+    assert np.shares_memory(additive, mask) == (mask_dtype == dtype)
+    np.testing.assert_array_equal(additive, mask.astype(dtype))
 
 
 @pytest.mark.filterwarnings("error")  # nothing of the unshifted run reaches the user
@@ -792,25 +835,27 @@ def test_rows_with_no_key_need_no_second_run_and_rows_that_underflow_do(monkeypa
     np.testing.assert_allclose(got[0, :, 5], v[0, :, : 6 if is_causal else n].mean(axis=-2), **TOLERANCE["float64"])
 
 
-@pytest.mark.parametrize("padding", ["key_lengths", "boolean", "additive", "additive_shifts"])
+@pytest.mark.parametrize("padding", ["key_lengths", "boolean", "boolean_at_block_edge", "additive", "additive_shifts"])
 def test_padding_masks_act_only_on_blocks_past_their_first_hole(monkeypatch, padding):
     """Key blocks before a padding mask's first forbidden (or, real, shifted)
     key, and before every length, take no mask at all: lengths of 150 need
     none (the keys stop there), a padding mask that also forbids key 100
-    acts from the block that holds it."""
+    acts from the block that holds it (key 96 instead: from the block that
+    begins there, none before)."""
     from attnx_backends import numpy_masks
 
     rng = np.random.default_rng(9)
     q, k, v = (rng.standard_normal((1, 2, 256, 32)) for _ in range(3))
     lengths = np.array([150])
     kept = np.arange(256) < 150
-    kept[100] = False
+    kept[96 if padding == "boolean_at_block_edge" else 100] = False
     additive = np.where(kept, 0.0, -np.inf)
     if padding == "additive_shifts":
         additive[70] = 0.5  # shifts key 70
     call = {
         "key_lengths": {"key_lengths": lengths},
         "boolean": {"mask": kept},
+        "boolean_at_block_edge": {"mask": kept},
         "additive": {"mask": additive},
         "additive_shifts": {"mask": additive},
     }[padding]
@@ -824,7 +869,14 @@ def test_padding_masks_act_only_on_blocks_past_their_first_hole(monkeypatch, pad
 
     monkeypatch.setattr(numpy_masks.BlockMasks, "block", recording)
     got = attnx.scaled_dot_product_attention(q, k, v, chunk_size=(64, 32), **call)
-    first_hole = {"key_lengths": 150, "boolean": 100, "additive": 100, "additive_shifts": 70}[padding]
+    first_hole = {
+        "key_lengths": 150,
+        "boolean": 100,
+        "boolean_at_block_edge": 96,
+        "additive": 100,
+        "additive_shifts": 70,
+    }
+    first_hole = first_hole[padding]
     assert masked and all(applied == (c1 > first_hole) for c1, applied in masked), masked
     np.testing.assert_allclose(got, _reference(q, k, v, **call), **TOLERANCE["float64"])
 
@@ -862,6 +914,27 @@ def test_native_computes_no_key_past_every_length(monkeypatch, padding):
     assert runs == [False] * 3  # zeros for length 0 are exact: nothing runs again
     np.testing.assert_allclose(got, _reference(q, k, v, **call), **TOLERANCE["float32"])
     assert not got[2].any()
+
+
+def test_lengths_per_query_stop_each_block_of_rows_at_its_own_longest(monkeypatch):
+    """With a length per query, a block of rows computes the keys up to the
+    longest length among its own rows, not among the call's."""
+    from attnx_backends import numpy_attention
+
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((1, 1, 256, 32)) for _ in range(3))
+    lengths = np.where(np.arange(256) < 128, 40, 200)[None, None]  # (1, 1, n)
+    stops = []
+    original = numpy_attention._products
+
+    def recording(query, key_t, buffer, c0, c1):
+        stops.append(c1)
+        return original(query, key_t, buffer, c0, c1)
+
+    monkeypatch.setattr(numpy_attention, "_products", recording)
+    got = attnx.scaled_dot_product_attention(q, k, v, key_lengths=lengths, chunk_size=(128, 256))
+    assert sorted(stops) == [40, 200]
+    np.testing.assert_allclose(got, _reference(q, k, v, key_lengths=lengths), **TOLERANCE["float64"])
 
 
 @settings(max_examples=25, deadline=None)
