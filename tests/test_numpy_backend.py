@@ -406,6 +406,25 @@ def test_small_calls_are_checked_once_then_planned(monkeypatch):
     assert len(resolved) == 1
 
 
+@pytest.mark.parametrize("argument", ["mask", "key_lengths", "chunk_size"])
+def test_the_native_plans_no_call_whose_masks_or_chunks_may_change(argument):
+    """A plan serves every later call of one signature, which holds shapes
+    and dtypes, not a mask's or lengths' values: the native makes plans for
+    unmasked calls only (attnx asks for none otherwise; another caller of
+    ``specialize`` may)."""
+    query, key, value = _small_inputs(shape=(1, 2, 6, 4))
+    arguments = {
+        "query": query, "key": key, "value": value, "mask": None, "key_lengths": None, "chunk_size": None,
+        "scale": 0.5, "is_causal": False, "return_weights": False, "batch_shape": (1, 2),
+    }  # fmt: skip
+    backend = attnx._registry.get("numpy")
+    assert backend.specialize("scaled_dot_product_attention", arguments) is not None
+    arguments[argument] = {"mask": np.ones((6, 6), dtype=bool), "key_lengths": np.array([3]), "chunk_size": (2, 2)}[
+        argument
+    ]
+    assert backend.specialize("scaled_dot_product_attention", arguments) is None
+
+
 def test_a_small_plan_keeps_to_a_budget_lowered_later(monkeypatch):
     """The plan reads the memory budget at every call: below the scores'
     size it runs the blocks a full call would, not its one block."""
@@ -707,6 +726,31 @@ def test_native_takes_masked_calls_and_equals_the_reference(monkeypatch, layout,
     assert blocks, "the native declined the call"
     expected = _reference(q, k, v, is_causal=is_causal, **call)
     np.testing.assert_allclose(got, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.filterwarnings("error")  # nothing of the unshifted run reaches the user
+@pytest.mark.parametrize("chunk_size", [None, (64, 96)], ids=["planned", "key-blocks"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("layout", list(_mask_layouts(np.random.default_rng(0), (3, 2), 1, 1)))
+def test_masked_calls_that_overflow_unshifted_run_again_shifted_and_equal_the_reference(
+    monkeypatch, layout, is_causal, chunk_size
+):
+    """Scores far above exp's range overflow the unshifted sums, so every
+    task runs again shifted: there the masks forbid keys by -inf before the
+    running maximum, and a row whose first key blocks are all masked joins
+    the running sums later without NaN."""
+    rng = np.random.default_rng(12)
+    batch, n, m = (3, 2), 200, 260
+    q, k, v = (rng.standard_normal((*batch, count, 32)) for count in (n, m, m))
+    q *= 1000  # scores in the thousands: exp overflows in float64
+    masks = _mask_layouts(rng, batch, n, m)
+    call = {"key_lengths" if layout.startswith("lengths") else "mask": masks[layout]}
+    monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 2)
+    runs = _recorded_blocks(monkeypatch, lambda *args: args[-1])  # shifted
+    got = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, chunk_size=chunk_size, **call)
+    assert True in runs
+    expected = _reference(q, k, v, is_causal=is_causal, **call)
+    np.testing.assert_allclose(got, expected, **TOLERANCE["float64"])
 
 
 def test_native_takes_small_masked_calls_in_one_block(monkeypatch):
