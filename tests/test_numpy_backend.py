@@ -382,6 +382,22 @@ def _recorded_blocks(monkeypatch, record):
     return calls
 
 
+def _recorded_key_stops(monkeypatch):
+    """A list that gets the last key (``c1``) of each product of scores the
+    native computes."""
+    from attnx_backends import numpy_attention
+
+    stops = []
+    original = numpy_attention._products
+
+    def recording(query, key_t, buffer, c0, c1):
+        stops.append(c1)
+        return original(query, key_t, buffer, c0, c1)
+
+    monkeypatch.setattr(numpy_attention, "_products", recording)
+    return stops
+
+
 TOLERANCE = {"float32": {"rtol": 2e-5, "atol": 2e-6}, "float64": {"rtol": 1e-10, "atol": 1e-12}}
 
 
@@ -931,8 +947,6 @@ def test_native_computes_no_key_past_every_length(monkeypatch, padding):
     longest length among its rows, and a sequence of length 0 takes none
     (its task of one slice gives zeros, and need not run again shifted).
     So do padding masks, one row of keys per slice, boolean or -inf."""
-    from attnx_backends import numpy_attention
-
     rng = np.random.default_rng(6)
     q, k, v = (rng.standard_normal((3, 1, 256, 64)).astype(np.float32) for _ in range(3))
     lengths = np.array([100, 37, 0])
@@ -944,14 +958,7 @@ def test_native_computes_no_key_past_every_length(monkeypatch, padding):
         "additive": {"mask": np.where(kept, rng.standard_normal(kept.shape), -np.inf)},
     }[padding]
     monkeypatch.setattr(attnx._registry.get("numpy"), "concurrent_blocks", 2)
-    stops = []
-    original = numpy_attention._products
-
-    def recording(query, key_t, buffer, c0, c1):
-        stops.append(c1)
-        return original(query, key_t, buffer, c0, c1)
-
-    monkeypatch.setattr(numpy_attention, "_products", recording)
+    stops = _recorded_key_stops(monkeypatch)
     runs = _recorded_blocks(monkeypatch, lambda *args: args[-1])  # shifted
     got = attnx.scaled_dot_product_attention(q, k, v, **call)
     assert sorted(set(stops)) == [37, 100]
@@ -963,19 +970,10 @@ def test_native_computes_no_key_past_every_length(monkeypatch, padding):
 def test_lengths_per_query_stop_each_block_of_rows_at_its_own_longest(monkeypatch):
     """With a length per query, a block of rows computes the keys up to the
     longest length among its own rows, not among the call's."""
-    from attnx_backends import numpy_attention
-
     rng = np.random.default_rng(11)
     q, k, v = (rng.standard_normal((1, 1, 256, 32)) for _ in range(3))
     lengths = np.where(np.arange(256) < 128, 40, 200)[None, None]  # (1, 1, n)
-    stops = []
-    original = numpy_attention._products
-
-    def recording(query, key_t, buffer, c0, c1):
-        stops.append(c1)
-        return original(query, key_t, buffer, c0, c1)
-
-    monkeypatch.setattr(numpy_attention, "_products", recording)
+    stops = _recorded_key_stops(monkeypatch)
     got = attnx.scaled_dot_product_attention(q, k, v, key_lengths=lengths, chunk_size=(128, 256))
     assert sorted(stops) == [40, 200]
     np.testing.assert_allclose(got, _reference(q, k, v, key_lengths=lengths), **TOLERANCE["float64"])
