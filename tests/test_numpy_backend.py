@@ -710,6 +710,8 @@ def _mask_layouts(rng, batch, n, m):
         # (n, m), float64 on float32 scores: cast to the scores' dtype, as attnx's rule says.
         "additive_shared": np.where(rng.random((n, m)) < 0.3, -np.inf, rng.standard_normal((n, m))),
         "keys_row": rng.random(m) < 0.8,
+        # (B, 1, 1, 1): one flag per entry, broadcast over queries and keys, one entry masked whole.
+        "per_entry_flag": np.array([True, False, True])[:, None, None, None],
         # (B, 1, n, m) and a (H, n, m) bias on B x H slices: views in runs of H slices.
         "per_entry_mask": rng.random((batch[0], 1, n, m)) < 0.7,
         "per_head_bias": rng.standard_normal((batch[1], n, m)),
@@ -797,9 +799,10 @@ def test_native_takes_small_masked_calls_in_one_block(monkeypatch):
         ((3,), (3,), 3),
         ((2, 3), (2, 3), 6),
         ((2, 2, 3), (2, 1, 3), 3),
+        ((2, 2, 3), (1, 1, 3), 3),
         ((2, 3), (1, 1), 6),
     ],
-    ids=["per-entry", "per-head", "merged", "full", "three-axes", "shared"],
+    ids=["per-entry", "per-head", "merged", "full", "three-axes", "three-axes-per-head", "shared"],
 )
 def test_native_cuts_blocks_where_a_mask_s_slices_stop_being_one_view(monkeypatch, batch, mask_shape, run):
     """A (B, 1, n, m) mask, or a (1, H, n, m) bias, on B x H slices is not one
@@ -996,7 +999,7 @@ def test_masked_calls_of_any_plan_equal_the_reference(batch, n, m, layout, is_ca
     q = rng.standard_normal((*batch, n, 16))
     k, v = (rng.standard_normal((*batch, m, 16)) for _ in range(2))
     mask = _mask_layouts(rng, batch, n, m)[layout]
-    if layout in ("padding_mask", "lengths"):  # one per batch entry
+    if layout in ("padding_mask", "per_entry_flag", "lengths"):  # one per batch entry
         mask = mask[np.arange(batch[0]) % 3]
     call = {"key_lengths" if layout.startswith("lengths") else "mask": mask}
     backend = attnx._registry.get("numpy")
