@@ -435,9 +435,8 @@ def test_the_native_plans_no_call_whose_masks_or_chunks_may_change(argument):
     }  # fmt: skip
     backend = attnx._registry.get("numpy")
     assert backend.specialize("scaled_dot_product_attention", arguments) is not None
-    arguments[argument] = {"mask": np.ones((6, 6), dtype=bool), "key_lengths": np.array([3]), "chunk_size": (2, 2)}[
-        argument
-    ]
+    given = {"mask": np.ones((6, 6), dtype=bool), "key_lengths": np.array([3]), "chunk_size": (2, 2)}
+    arguments[argument] = given[argument]
     assert backend.specialize("scaled_dot_product_attention", arguments) is None
 
 
@@ -932,15 +931,14 @@ def test_padding_masks_act_only_on_blocks_past_their_first_hole(monkeypatch, pad
 
     monkeypatch.setattr(numpy_masks.BlockMasks, "block", recording)
     got = attnx.scaled_dot_product_attention(q, k, v, chunk_size=(64, 32), **call)
-    first_hole = {
+    first_holes = {
         "key_lengths": 150,
         "boolean": 100,
         "boolean_at_block_edge": 96,
         "additive": 100,
         "additive_shifts": 70,
     }
-    first_hole = first_hole[padding]
-    assert masked and all(applied == (c1 > first_hole) for c1, applied in masked), masked
+    assert masked and all(applied == (c1 > first_holes[padding]) for c1, applied in masked), masked
     np.testing.assert_allclose(got, _reference(q, k, v, **call), **TOLERANCE["float64"])
 
 
