@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One lent GPU, one call: attnx installed from its wheel, the GPU benchmark,
+# then the conformance suite on torch, cupy and jax at once, each on the GPU.
+#
+# Here, in the repository root (the wheels travel in .whl/, which git ignores):
+#     pip wheel --no-deps -w .whl . && pip download --no-deps -d .whl array-api-compat==1.16.0
+# There (PyTorch, CuPy and JAX come with the machine's image):
+#     bash bench/gpu_session.sh
+# Logs and the benchmark's report go to $OUT; the figures are written up in
+# bench/RESULTS.md ("GPU") and conformance/RESULTS.md.
+set -u
+OUT=${OUT:-/tmp/attnx-gpu}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+# JAX takes 75% of the GPU per process unless told not to, and multiplies
+# float32 matrices in TF32 unless told otherwise (conformance/RESULTS.md).
+export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest
+# An empty folder, so the suite is the installed one, as a user runs it.
+cd "$(mktemp -d)" || exit 1
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+    lscpu | grep -E "^Model name|^CPU\(s\)"
+    python3 -c "import sys, torch, cupy, jax, numpy; print(sys.version.split()[0], 'torch', torch.__version__, \
+'cupy', cupy.__version__, 'jax', jax.__version__, 'numpy', numpy.__version__, jax.devices())"
+    attnx backends
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# The GPU to itself while it is timed: the benchmark first, then the suites.
+start=$SECONDS
+for sizes in "512 2048" 8192; do  # two runs, so that a run cut short keeps the first's report
+    folder=bench-${sizes// /-}
+    # shellcheck disable=SC2086
+    timeout "${BENCH_SECONDS:-110}" attnx bench --backends torch cupy --device cuda:0 --sizes $sizes \
+        --baselines torch-sdpa jax-sdpa --repeat 30 --out "$folder" >>"$OUT/bench.log" 2>&1
+    echo "bench, n = $sizes: exit $? after $((SECONDS - start)) s"
+    cp "$folder/results.md" "$OUT/$folder.md" 2>/dev/null
+done
+
+start=$SECONDS
+suite() {  # backend, seconds, workers, then any options for it
+    local backend=$1 seconds=$2 workers=$3
+    shift 3
+    timeout "$seconds" attnx conformance "$backend" "$@" -vv --tb=short -n "$workers" -p no:cacheprovider \
+        >"$OUT/conformance-$backend.log" 2>&1
+    echo "conformance $backend: exit $? after $((SECONDS - start)) s: $(tail -n 1 "$OUT/conformance-$backend.log")"
+}
+# 15 of the 16 cores; JAX compiles every case, so it has the most.
+suite torch 200 4 --device cuda:0 &
+suite cupy 200 4 --device cuda:0 &
+suite jax 240 7 & # JAX's default device is the GPU where its CUDA plugin is installed
+wait
