@@ -5,7 +5,8 @@
 # Here, in the repository root (the wheels travel in .whl/, which git ignores):
 #     pip wheel --no-deps -w .whl . && pip download --no-deps -d .whl array-api-compat==1.16.0
 # There (PyTorch, CuPy and JAX come with the machine's image):
-#     bash bench/gpu_session.sh
+#     bash bench/gpu_session.sh          # SDPA timed, then the three suites
+#     bash bench/gpu_session.sh family   # the family's other operations timed, and SDPA in float16
 # Logs and the benchmark's report go to $OUT; the figures are written up in
 # bench/RESULTS.md ("GPU") and conformance/RESULTS.md.
 set -u
@@ -27,16 +28,27 @@ cd "$(mktemp -d)" || exit 1
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-# The GPU to itself while it is timed: the benchmark first, then the suites.
+bench() {  # the report's name, then attnx bench's arguments
+    local name=$1
+    shift
+    timeout "${BENCH_SECONDS:-110}" attnx bench --backends torch cupy --device cuda:0 --repeat 30 \
+        --out "$name" "$@" >>"$OUT/bench.log" 2>&1
+    echo "bench $name: exit $? after $((SECONDS - start)) s"
+    cp "$name/results.md" "$OUT/$name.md" 2>/dev/null
+}
+
 start=$SECONDS
-for sizes in "512 2048" 8192; do  # two runs, so that a run cut short keeps the first's report
-    folder=bench-${sizes// /-}
-    # shellcheck disable=SC2086
-    timeout "${BENCH_SECONDS:-110}" attnx bench --backends torch cupy --device cuda:0 --sizes $sizes \
-        --baselines torch-sdpa jax-sdpa --repeat 30 --out "$folder" >>"$OUT/bench.log" 2>&1
-    echo "bench, n = $sizes: exit $? after $((SECONDS - start)) s"
-    cp "$folder/results.md" "$OUT/$folder.md" 2>/dev/null
-done
+if [ "${1:-}" = family ]; then
+    bench bench-family --operations sliding_window multi_head_attention --sizes 2048 8192 \
+        --baselines torch-flex-compiled
+    bench bench-float16 --dtype float16 --sizes 2048 8192 --baselines torch-sdpa
+    exit 0
+fi
+
+# The GPU to itself while it is timed: the benchmark first, then the suites.
+# Two runs, so that a run cut short keeps the first's report.
+bench bench-512-2048 --sizes 512 2048 --baselines torch-sdpa jax-sdpa
+bench bench-8192 --sizes 8192 --baselines torch-sdpa jax-sdpa
 
 start=$SECONDS
 suite() {  # backend, seconds, workers, then any options for it
