@@ -144,18 +144,14 @@ def _inputs(case: Case) -> tuple[Any, Any, Any, Any, Callable[[], None]]:
         tensors = [torch.from_numpy(a).to(device=device, dtype=getattr(torch, case.dtype)) for a in arrays]
         sync = (lambda: torch.cuda.synchronize(device)) if device.startswith("cuda") else (lambda: None)
         return (*tensors, torch, sync)
-    if library == "cupy":
-        import cupy
-
-        on_gpu = [cupy.asarray(a) for a in arrays]
-        return (*on_gpu, cupy, lambda: cupy.cuda.Device().synchronize())
     if library == "numpy":
         return (*arrays, np, lambda: None)
     if library == "jax":
         import jax
-        import jax.numpy as jnp
 
-        on_device = [jnp.asarray(a, dtype=getattr(jnp, case.dtype)) for a in arrays]
+        import attnx
+
+        on_device = [attnx.asarray(a, backend="jax", dtype=case.dtype, device=case.device) for a in arrays]
         return (*on_device, jax, lambda: None)
     if library == "keras":
         # Keras 3 on the backend its users configured, PyTorch when none is
@@ -178,9 +174,10 @@ def _inputs(case: Case) -> tuple[Any, Any, Any, Any, Callable[[], None]]:
         return (*chunked, None, lambda: None)
     import attnx
 
-    converted = [attnx.asarray(a, backend=library) for a in arrays]
+    # Any other attnx backend (CuPy, a third party's), on the device asked for.
+    converted = [attnx.asarray(a, backend=library, device=case.device) for a in arrays]
     backend = attnx._registry.get(library)
-    return (*converted, None, backend.synchronize)
+    return (*converted, None, lambda: backend.synchronize(case.device))
 
 
 def _local_cluster(workers: int) -> Any:
@@ -284,12 +281,17 @@ def _callable(case: Case) -> tuple[Callable[[], Any], Callable[[], None]]:
             case, lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, is_causal=causal), q, k, v
         ), sync
     d_model = case.heads * case.head_dim
-    x = attnx.asarray(attnx.to_numpy(q).transpose(0, 2, 1, 3).reshape(case.batch, case.n, d_model), backend=backend)
+    device = case.device  # every array on it: attnx's functions make theirs on the backend's default device
+    x = attnx.asarray(
+        attnx.to_numpy(q).transpose(0, 2, 1, 3).reshape(case.batch, case.n, d_model), backend=backend, device=device
+    )
     if case.operation == "multi_head_attention":
-        params = attnx.init_multi_head_params(d_model, case.heads, dtype=case.dtype, backend=backend)
+        params = attnx.init_multi_head_params(d_model, case.heads, dtype=case.dtype, backend=backend, device=device)
         return _as_users_run(case, lambda x: attnx.multi_head_attention(x, x, x, params, num_heads=case.heads), x), sync
     if case.operation == "additive_attention":
-        params = attnx.init_multi_head_params(d_model, 1, d_k=case.head_dim, dtype=case.dtype, backend=backend)
+        params = attnx.init_multi_head_params(
+            d_model, 1, d_k=case.head_dim, dtype=case.dtype, backend=backend, device=device
+        )
         additive = {"w_q": params["w_q"], "w_k": params["w_k"], "w_v": params["b_q"] + 0.1}
         return _as_users_run(case, lambda x: attnx.additive_attention(x, x, x, additive), x), sync
     raise ValueError(f"unknown operation {case.operation!r}; choose from {OPERATIONS}")

@@ -8,6 +8,9 @@ import subprocess
 import sys
 import sysconfig
 
+import pytest
+
+from attnx import benchmark
 from attnx.benchmark import Case, PoolPeak, Result, fit_exponent, ratios
 
 
@@ -182,3 +185,17 @@ def test_dask_workers_without_the_dask_backend_is_one_error_line():
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "add dask to --backends" in result.stderr
+
+
+@pytest.mark.parametrize("operation", benchmark.OPERATIONS)
+def test_every_operation_runs_on_the_device_asked_for(array_api_strict_backend, operation):
+    # array-api-strict's device1 is not its default device: an input or a
+    # parameter made without the device asked for would land on the default
+    # (as multi-head attention's did on PyTorch: --device cuda:0 timed the CPU).
+    import array_api_strict as strict
+
+    case = Case("attnx:array_api_strict", operation, batch=1, heads=2, n=8, head_dim=4, device="device1", window=2)
+    function, synchronize = benchmark._callable(case)
+    output = function()
+    synchronize()
+    assert output.device == strict.Device("device1")
