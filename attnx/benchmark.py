@@ -174,8 +174,8 @@ def _inputs(case: Case) -> tuple[Any, Any, Any, Any, Callable[[], None]]:
         return (*chunked, None, lambda: None)
     import attnx
 
-    # Any other attnx backend (CuPy, a third party's), on the device asked for.
-    converted = [attnx.asarray(a, backend=library, device=case.device) for a in arrays]
+    # Any other attnx backend (CuPy, a third party's), in the dtype and on the device asked for.
+    converted = [attnx.asarray(a, backend=library, dtype=case.dtype, device=case.device) for a in arrays]
     backend = attnx._registry.get(library)
     return (*converted, None, lambda: backend.synchronize(case.device))
 

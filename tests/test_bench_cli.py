@@ -10,6 +10,7 @@ import sysconfig
 
 import pytest
 
+import attnx
 from attnx import benchmark
 from attnx.benchmark import Case, PoolPeak, Result, fit_exponent, ratios
 
@@ -199,3 +200,25 @@ def test_every_operation_runs_on_the_device_asked_for(array_api_strict_backend, 
     output = function()
     synchronize()
     assert output.device == strict.Device("device1")
+
+
+def test_a_third_partys_backend_gets_the_dtype_asked_for():
+    # NumPy has no bfloat16: the inputs start as float32 and the backend makes them bfloat16.
+    torch = pytest.importorskip("torch")
+    from attnx_backends.torch_backend import TorchBackend
+
+    class ThirdParty(TorchBackend):
+        name = "third-party-torch"
+
+    class Plugin:
+        @attnx.hookimpl
+        def attnx_backends(self):
+            return [ThirdParty()]
+
+    name = attnx.register_plugin(Plugin(), name="third-party-torch-plugin")
+    try:
+        case = Case("attnx:third-party-torch", "sdpa", batch=1, heads=2, n=8, head_dim=4, dtype="bfloat16")
+        function, _ = benchmark._callable(case)
+        assert function().dtype == torch.bfloat16
+    finally:
+        attnx.unregister_plugin(name)
