@@ -21,7 +21,7 @@ class CuPyBackend(Backend):
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("cupy") is None:
-            return "cupy is not installed (pip install 'attnx[cupy]' on a machine with CUDA 12)"
+            return "cupy is not installed (pip install 'attnx[cupy]' with CUDA 12, cupy-cuda13x with CUDA 13)"
         try:
             import cupy
 
