@@ -87,13 +87,19 @@ class Backend:
         positions, parameters).
 
         A name that :meth:`devices` lists (by :func:`device_label`, so
-        ``"device1"`` for ``Device('device1')``) becomes that device object;
-        anything else (``None``, the library's own device objects, names the
-        library reads itself, such as PyTorch's ``"cuda"``) passes unchanged.
+        ``"device1"`` for ``Device('device1')``) becomes that device object,
+        and so does a kind of device (``"cpu"`` for JAX's ``"cpu:0"``): the
+        first of that kind, as ``jax.devices("cpu")[0]``. Anything else
+        (``None``, the library's own device objects, names the library reads
+        itself, such as PyTorch's ``"cuda"``) passes unchanged.
         """
         if isinstance(device, str):
-            for candidate in self.devices():
-                if not isinstance(candidate, str) and device_label(candidate) == device:
+            objects = [candidate for candidate in self.devices() if not isinstance(candidate, str)]
+            for candidate in objects:
+                if device_label(candidate) == device:
+                    return candidate
+            for candidate in objects:
+                if device_label(candidate).partition(":")[0] == device:
                     return candidate
         return device
 

@@ -137,3 +137,36 @@ def test_creation_functions_take_device_names(array_api_strict_backend):
         attnx.init_multi_head_params(8, 2, backend="array_api_strict", device="device1")["w_q"],
     ]
     assert all(array.device == strict.Device("device1") for array in made)
+
+
+def test_a_kind_of_device_names_the_first_device_of_that_kind():
+    class Device:  # a library's device object, as JAX's are
+        def __init__(self, label):
+            self.label = label
+
+        def __str__(self):
+            return self.label
+
+    class TwoKinds(attnx.Backend):
+        def devices(self):
+            return [Device("cpu:0"), Device("gpu:0"), Device("gpu:1")]
+
+    backend = TwoKinds()
+    assert [str(backend.device(name)) for name in ("gpu", "gpu:1", "cpu", "cpu:0")] == [
+        "gpu:0",
+        "gpu:1",
+        "cpu:0",
+        "cpu:0",
+    ]
+    assert backend.device("tpu") == "tpu"  # not this backend's: the creation functions refuse it first
+
+
+def test_jax_arrays_made_on_a_kind_of_device():
+    # JAX reads no device name itself: "cpu" must become jax.devices("cpu")[0].
+    jax = pytest.importorskip("jax")
+    made = [
+        attnx.asarray(np.ones(3, dtype=np.float32), backend="jax", device="cpu"),
+        attnx.masks.causal(3, backend="jax", device="cpu"),
+        attnx.sinusoidal_positions(3, 4, backend="jax", device="cpu"),
+    ]
+    assert all(array.devices() == {jax.devices("cpu")[0]} for array in made)
