@@ -361,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--device",
         default=None,
-        help="for GPU backends, as `attnx backends` lists it (cuda:0); default: the backend's default device",
+        help="for GPU backends, as `attnx backends` lists it (cuda:0), for every array of the timed calls and "
+        "the PyTorch and JAX baselines' too; default: the backend's default device",
     )
     bench.add_argument(
         "--baselines",
