@@ -131,6 +131,8 @@ def _inputs(case: Case) -> tuple[Any, Any, Any, Any, Callable[[], None]]:
     """(query, key, value, library, synchronize) for a case, on its library."""
     import numpy as np
 
+    import attnx
+
     rng = np.random.default_rng(0)
     shape = (case.batch, case.heads, case.n, case.head_dim)
     arrays = [
@@ -148,8 +150,6 @@ def _inputs(case: Case) -> tuple[Any, Any, Any, Any, Callable[[], None]]:
         return (*arrays, np, lambda: None)
     if library == "jax":
         import jax
-
-        import attnx
 
         on_device = [attnx.asarray(a, backend="jax", dtype=case.dtype, device=case.device) for a in arrays]
         return (*on_device, jax, lambda: None)
@@ -172,8 +172,6 @@ def _inputs(case: Case) -> tuple[Any, Any, Any, Any, Callable[[], None]]:
             chunked = _local_cluster(case.workers).persist(chunked)
             distributed.wait(chunked)
         return (*chunked, None, lambda: None)
-    import attnx
-
     # Any other attnx backend (CuPy, a third party's), in the dtype and on the device asked for.
     converted = [attnx.asarray(a, backend=library, dtype=case.dtype, device=case.device) for a in arrays]
     backend = attnx._registry.get(library)
