@@ -16,7 +16,7 @@ from typing import Any
 from attnx._config import chosen_backend_name, current_backend
 from attnx._registry import registry
 from attnx._tracing import run_at_trace_time
-from attnx.backend import Backend, device_label
+from attnx.backend import Backend, device_kind, device_label
 
 logger = logging.getLogger("attnx")
 
@@ -109,7 +109,7 @@ def _require_listed_device(operation: str, backend: Backend, reason: str, device
     """A device named by a string is one the backend lists (``"cuda:0"``), or
     the kind of one (``"cuda"``, which the library resolves itself)."""
     labels = [device_label(candidate) for candidate in backend.devices()]
-    if device not in labels and device not in {label.partition(":")[0] for label in labels}:
+    if device not in labels and device not in {device_kind(label) for label in labels}:
         raise ValueError(
             f"{operation}: device={device!r} is not a device of backend {backend.name!r} ({reason}); "
             f"its devices: {', '.join(labels)}; to make another library's arrays, pass backend="

@@ -26,6 +26,11 @@ def device_label(device: Any) -> str:
     return text
 
 
+def device_kind(label: str) -> str:
+    """The kind of device a label names: ``"cuda"`` for ``"cuda:0"``."""
+    return label.partition(":")[0]
+
+
 class Backend:
     """Base class for attnx backends.
 
@@ -99,7 +104,7 @@ class Backend:
                 if device_label(candidate) == device:
                     return candidate
             for candidate in objects:
-                if device_label(candidate).partition(":")[0] == device:
+                if device_kind(device_label(candidate)) == device:
                     return candidate
         return device
 
