@@ -61,20 +61,30 @@ def dtype_label(dtype: Any) -> str:
     return str(dtype).rpartition(".")[2]
 
 
+#: The real floating dtypes attnx knows by name.
+FLOAT_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+
 #: The dtypes attnx knows by name: the standard's, and the half precisions.
 DTYPE_NAMES = frozenset(
     ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
-    + ("float16", "bfloat16", "float32", "float64", "complex64", "complex128")
+    + FLOAT_DTYPE_NAMES
+    + ("complex64", "complex128")
 )
 
 
-def require_dtype_name(operation: str, xp: Any, backend_name: str, dtype: Any) -> str:
+def require_dtype_name(operation: str, xp: Any, backend_name: str, dtype: Any, *, floating: bool = False) -> str:
     """The name of ``dtype`` (any library's dtype object, or a name), checked
     to be a dtype of ``xp`` that it can make here (JAX has float64 only in x64
-    mode); a TypeError naming ``dtype`` otherwise."""
+    mode), and a real floating one with ``floating=True`` (what creates
+    weights or encodings: an integer table would hold rounded values); a
+    TypeError naming ``dtype`` otherwise."""
     name = dtype_label(dtype)
     if name not in DTYPE_NAMES or not hasattr(xp, name):
         raise TypeError(f"{operation}: dtype {dtype!r} is not a dtype of the {backend_name!r} backend")
+    if floating and name not in FLOAT_DTYPE_NAMES:
+        raise TypeError(
+            f"{operation}: dtype must be a real floating-point dtype ({', '.join(FLOAT_DTYPE_NAMES)}), got {name}"
+        )
     offered = _offered_dtypes(xp)
     if offered is not None and name in _STANDARD_DTYPES and name not in offered:
         raise TypeError(

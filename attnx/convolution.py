@@ -115,10 +115,11 @@ def receptive_field(kernel_size: int | Sequence[int], dilations: Sequence[int]) 
         raise TypeError(f"{op}: dilations must be a list of positive integers, got {type(dilations).__name__}")
     dilations = [_checks.require_positive_int(op, f"dilations[{i}]", d) for i, d in enumerate(dilations)]
     if isinstance(kernel_size, (list, tuple)):
-        sizes = list(kernel_size)
-        if len(sizes) != len(dilations):
-            raise ValueError(f"{op}: kernel_size must be an int or one per layer ({len(dilations)}), got {len(sizes)}")
+        if len(kernel_size) != len(dilations):
+            raise ValueError(
+                f"{op}: kernel_size must be an int or one per layer ({len(dilations)}), got {len(kernel_size)}"
+            )
+        sizes = [_checks.require_positive_int(op, f"kernel_size[{i}]", k) for i, k in enumerate(kernel_size)]
     else:
         sizes = [_checks.require_positive_int(op, "kernel_size", kernel_size)] * len(dilations)
-    sizes = [_checks.require_positive_int(op, "kernel_size", k) for k in sizes]
     return 1 + sum((k - 1) * d for k, d in zip(sizes, dilations))

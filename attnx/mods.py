@@ -147,7 +147,7 @@ def alibi_slopes(num_heads: int, *, dtype: Any = "float32", backend: str | None 
     operation = "alibi_slopes"
     num_heads = _checks.require_positive_int(operation, "num_heads", num_heads)
     chosen, _, device = _dispatch.resolve_creation(operation, backend, device)
-    name = _checks.require_dtype_name(operation, chosen.xp, chosen.name, dtype)
+    name = _checks.require_dtype_name(operation, chosen.xp, chosen.name, dtype, floating=True)
     closest = 2 ** math.floor(math.log2(num_heads))
     slopes = [2 ** (-8 * (i + 1) / closest) for i in range(closest)]
     if closest < num_heads:  # the odd powers of the next power of two fill the rest

@@ -58,7 +58,7 @@ def sinusoidal_positions(
     base = _positive_base(op, base)
     chosen, reason, device = _dispatch.resolve_creation(op, backend, device)
     if dtype is not None:
-        dtype = _checks.require_dtype_name(op, chosen.xp, chosen.name, dtype)
+        dtype = _checks.require_dtype_name(op, chosen.xp, chosen.name, dtype, floating=True)
     return _dispatch.call(
         op,
         chosen,

@@ -98,3 +98,12 @@ def test_defaults_are_stride_1_and_dilation_1(attnx_backend):
     x, w = gen.standard_normal((2, 3, 9)), gen.standard_normal((4, 3, 3))
     got = attnx.causal_conv1d(be.array(x, "float64"), be.array(w, "float64"))
     assert_close(got, reference.causal_conv1d(x, w, stride=1, dilation=1), be, "float64")
+
+
+@pytest.mark.parametrize(
+    "kernel_size, dilations, words",
+    [([2, 0], [1, 2], r"kernel_size\[1\] must be a positive integer, got 0"), ([2], [1, 2], "one per layer")],
+)
+def test_receptive_field_names_the_layer_it_refuses(attnx_backend, kernel_size, dilations, words):
+    with pytest.raises(ValueError, match=words):
+        attnx.receptive_field(kernel_size, dilations)

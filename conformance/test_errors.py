@@ -194,3 +194,22 @@ def test_sizes_whose_product_no_array_can_hold_are_refused_by_name(attnx_backend
     """Each size is a valid int64, their product is not: refused before allocating."""
     with pytest.raises(ValueError, match=rf"{names} = {2**40} x \d+ would need more than 2\*\*63 - 1 elements"):
         create(attnx_backend.name)
+
+
+@pytest.mark.attnx_operation("positional_encodings")
+@pytest.mark.parametrize(
+    "create",
+    [
+        lambda be, dtype: attnx.sinusoidal_positions(4, 6, dtype=dtype, backend=be),
+        lambda be, dtype: attnx.LearnedPositions(4, 6, dtype=dtype, backend=be),
+        lambda be, dtype: attnx.init_multi_head_params(8, 2, dtype=dtype, backend=be),
+        lambda be, dtype: attnx.MultiHeadAttention(8, 2, dtype=dtype, backend=be),
+        lambda be, dtype: attnx.mods.alibi_slopes(4, dtype=dtype, backend=be),
+    ],
+    ids=["sinusoidal_positions", "LearnedPositions", "init_multi_head_params", "MultiHeadAttention", "alibi_slopes"],
+)
+@pytest.mark.parametrize("dtype", ["int32", "bool"])
+def test_what_creates_real_values_refuses_other_dtypes(attnx_backend, create, dtype):
+    """Weights, encodings and slopes in integers would be rounded (to zeros, mostly): refused, not made."""
+    with pytest.raises(TypeError, match=rf"dtype must be a real floating-point dtype .*, got {dtype}"):
+        create(attnx_backend.name, dtype)
