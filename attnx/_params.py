@@ -106,7 +106,11 @@ def create(
         drawn[name] = generator.standard_normal(shape)
     for name, size in zeros.items():
         drawn[name] = np.zeros(size)
-    dtype = "float32" if dtype is None else _checks.require_dtype_name(operation, chosen.xp, chosen.name, dtype, floating=True)
+    dtype = (
+        "float32"
+        if dtype is None
+        else _checks.require_dtype_name(operation, chosen.xp, chosen.name, dtype, floating=True)
+    )
     return {
         name: chosen.asarray(
             value.astype(np.float32) if dtype == "bfloat16" else value.astype(dtype), dtype=dtype, device=device
