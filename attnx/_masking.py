@@ -348,7 +348,13 @@ def _writeable_type(kind: type, array: Any) -> bool:
 
 
 def unnormalised_softmax(
-    xp: Any, scores: Any, allowed: Any = None, additive: Any = None, running_max: Any = None, owned: bool = True
+    xp: Any,
+    scores: Any,
+    allowed: Any = None,
+    additive: Any = None,
+    running_max: Any = None,
+    owned: bool = True,
+    scores_may_mask: bool = False,
 ) -> tuple[Any, Any]:
     """``(exp(scores - shift), max)`` over the last axis, with masks applied.
 
@@ -358,7 +364,10 @@ def unnormalised_softmax(
     softmax's maximum so far), ``-inf`` on a row with nothing allowed;
     ``shift`` is that maximum with ``-inf`` replaced by 0 (see
     :func:`finite_shift`), so such a row's exponentials are zeros, not NaN.
-    Masked entries give exactly 0.
+    Masked entries give exactly 0.  ``scores_may_mask``: the scores may
+    hold ``-inf`` themselves (a user's scores, a ``score_mod``'s), which
+    masks as an additive mask's ``-inf`` does; scores of a product of
+    finite arrays never do, and skip the check.
     """
     mutable = owned and can_mutate(scores)
     if additive is not None:
@@ -371,7 +380,7 @@ def unnormalised_softmax(
     row_max = xp.max(scores, axis=-1, keepdims=True)
     if running_max is not None:
         row_max = xp.maximum(running_max, row_max)
-    masked = allowed is not None or additive is not None or running_max is not None
+    masked = allowed is not None or additive is not None or running_max is not None or scores_may_mask
     shift = finite_shift(xp, row_max) if masked else row_max
     if mutable:
         scores -= shift
@@ -397,13 +406,16 @@ def safe_total(xp: Any, exp_scores: Any, masked: bool = True) -> Any:
     return nonzero_total(xp, total) if masked else total
 
 
-def softmax(xp: Any, scores: Any, allowed: Any = None, additive: Any = None, owned: bool = True) -> Any:
+def softmax(
+    xp: Any, scores: Any, allowed: Any = None, additive: Any = None, owned: bool = True, scores_may_mask: bool = False
+) -> Any:
     """Stable softmax over the last axis with masks; fully masked rows give
-    zeros.  ``scores`` may be overwritten unless ``owned=False``."""
+    zeros.  ``scores`` may be overwritten unless ``owned=False``;
+    ``scores_may_mask`` as in :func:`unnormalised_softmax`."""
     if 0 in tuple(scores.shape):  # nothing to normalise (a maximum of nothing is undefined; Dask won't take one)
         return scores
-    exp_scores, _ = unnormalised_softmax(xp, scores, allowed, additive, owned=owned)
-    total = safe_total(xp, exp_scores, allowed is not None or additive is not None)
+    exp_scores, _ = unnormalised_softmax(xp, scores, allowed, additive, owned=owned, scores_may_mask=scores_may_mask)
+    total = safe_total(xp, exp_scores, allowed is not None or additive is not None or scores_may_mask)
     if can_mutate(exp_scores):
         exp_scores /= total
         return exp_scores

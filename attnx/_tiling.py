@@ -140,6 +140,7 @@ def attend_tiles(
     map_blocks: Callable[..., list[Any]] | None = None,
     concurrent_blocks: int = 1,
     block_bytes: int = BLOCK_BYTES,
+    scores_may_mask: bool = False,
 ) -> Any:
     """Attention ``(*batch_shape, n, d_v)`` walked tile by tile with a running
     maximum and sum (Rabe and Staats 2021; the FlashAttention recurrence):
@@ -152,7 +153,8 @@ def attend_tiles(
     (:func:`batch_groups`); every (group, rows) pair is independent and goes
     through ``map_blocks`` (the backend's :meth:`~attnx.Backend.map_blocks`),
     which may run them concurrently.  Inputs of half precision are computed
-    in float32; the output has the query's dtype.
+    in float32; the output has the query's dtype.  ``scores_may_mask``:
+    ``tile_scores`` may give ``-inf`` scores (a ``score_mod``'s), which mask.
     """
     batch_shape = tuple(batch_shape)
     dtype = query.dtype
@@ -185,7 +187,9 @@ def attend_tiles(
         state = None
         for c0, c1, masked in tiles(span, rows):
             scores, allowed, additive = tile_scores(q @ key_t[..., c0:c1], span, rows, (c0, c1), masked)
-            weights, row_max = _masking.unnormalised_softmax(xp, scores, allowed, additive)
+            weights, row_max = _masking.unnormalised_softmax(
+                xp, scores, allowed, additive, scores_may_mask=scores_may_mask
+            )
             tile = blocks.pack(xp, weights @ v[..., c0:c1, :], row_max)
             state = tile if state is None else blocks.combine(state, tile, xp=xp)
         if state is None:  # no key to visit for these rows: nothing attended

@@ -383,7 +383,8 @@ def masked_softmax(
     -------
     array, same shape and dtype as ``scores``
         Non-negative, summing to one along ``axis``; all zeros on a row
-        where every entry is masked.
+        where every entry is masked (scores of ``-inf`` mask too, as an
+        additive mask's do).
 
     Notes
     -----
@@ -441,8 +442,9 @@ def _masked_softmax_generic(xp: Any, *, scores: Any, mask: Any, key_lengths: Any
         dtype=compute,
         device=_checks.device_of(scores),
     )
-    # The user's scores (or a view of them) unless the cast made a copy: never overwritten.
-    weights = _masking.softmax(xp, moved, allowed, additive, owned=compute != dtype)
+    # The user's scores (or a view of them) unless the cast made a copy: never
+    # overwritten.  Their own -inf masks, as an additive mask's would.
+    weights = _masking.softmax(xp, moved, allowed, additive, owned=compute != dtype, scores_may_mask=True)
     if compute != dtype:
         weights = xp.astype(weights, dtype)
     if ndim == 1:

@@ -59,7 +59,8 @@ def from_scores(scores: Any, value: Any, *, allowed: Any = None, additive: Any =
     Parameters
     ----------
     scores : array, shape (..., n, m)
-        Real scores (logits); overwritten where its library allows it.
+        Real scores (logits), ``-inf`` where masked; overwritten where its
+        library allows it.
     value : array, shape (..., m, d_v)
     allowed : boolean array, optional
         Broadcastable to ``scores``: ``False`` masks a key.
@@ -75,7 +76,7 @@ def from_scores(scores: Any, value: Any, *, allowed: Any = None, additive: Any =
         leading, device = tuple(scores.shape[:-1]), _checks.device_of(scores)
         nothing = xp.zeros((*leading, value.shape[-1] + 1), dtype=scores.dtype, device=device)
         return xp.concat([nothing, xp.full((*leading, 1), -float("inf"), dtype=scores.dtype, device=device)], axis=-1)
-    exp_scores, row_max = _masking.unnormalised_softmax(xp, scores, allowed, additive)
+    exp_scores, row_max = _masking.unnormalised_softmax(xp, scores, allowed, additive, scores_may_mask=True)
     total = xp.sum(exp_scores, axis=-1, keepdims=True)
     return pack(xp, exp_scores @ value, total, row_max)
 

@@ -433,7 +433,8 @@ def flex_attention(
 
     Notes
     -----
-    A query with no key to attend gets zeros.  Work runs tile by tile on
+    A query with no key to attend (every key masked by ``block_mask``, or
+    given ``-inf`` by ``score_mod``) gets zeros, as in PyTorch's.  Work runs tile by tile on
     the online softmax within the memory budget, so a sliding window of
     width ``w`` costs O(n * w * d).  The mods are called once on a small
     tile before any other work, so a mod that fails, or returns the wrong
@@ -593,7 +594,7 @@ def _flex_generic(
         scores, allowed, _ = tile_scores(
             (q * scale) @ xp.matrix_transpose(k), None, (0, n), (0, m), block_mask is not None
         )
-        weights = _masking.softmax(xp, scores, allowed)
+        weights = _masking.softmax(xp, scores, allowed, scores_may_mask=score_mod is not None)
         output = xp.reshape(weights @ v, (batch, heads, n, d_v))
         weights = xp.reshape(xp.broadcast_to(weights, (*batch_shape, n, m)), (batch, heads, n, m))
         if compute != dtype:
@@ -633,6 +634,7 @@ def _flex_generic(
         map_blocks=backend.map_blocks,
         concurrent_blocks=backend.concurrent_blocks,
         block_bytes=backend.block_bytes,
+        scores_may_mask=score_mod is not None,
     )
     return xp.reshape(output, (batch, heads, n, d_v))
 

@@ -79,6 +79,22 @@ def test_a_block_in_the_causal_future_attends_nothing(attnx_backend):
     assert np.all(be.numpy(blocks.finish(state)) == 0)
 
 
+def test_minus_inf_scores_attend_nothing(attnx_backend):
+    """A user's scores of -inf mask, as an additive mask's do: a row of
+    nothing else attends nothing, and its state combines with others'."""
+    be = attnx_backend
+    scores = np.array([[0.5, -np.inf, 1.0], [-np.inf, -np.inf, -np.inf]])
+    value = rng(72).standard_normal((3, 2))
+    state = blocks.from_scores(*_on(be, (scores, value)))
+    expected = reference.softmax(scores) @ value
+    assert_close(blocks.finish(state), expected, be, be.dtype("float64"))
+    other = blocks.from_scores(*_on(be, (np.zeros((2, 1)), np.ones((1, 2)))))
+    both = reference.softmax(np.concatenate([scores, np.zeros((2, 1))], axis=1)) @ np.concatenate(
+        [value, np.ones((1, 2))]
+    )
+    assert_close(blocks.finish(blocks.combine(state, other)), both, be, be.dtype("float64"))
+
+
 def test_kernel_states_over_split_training_data(attnx_backend):
     be = attnx_backend
     gen = rng(72)

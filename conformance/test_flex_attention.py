@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from array_api_compat import array_namespace
 
 import attnx
 from attnx import mods
@@ -105,10 +106,30 @@ CASES = {
         None,
         lambda b, h, i, j: (((j <= i) & (i - j <= 2)) | (j < 4) | (j <= i)) & (i % 3 != 0),
     ),
+    "-inf from score_mod, rows with nothing": (
+        False,
+        lambda be: (_minus_inf_outside_window, None),
+        lambda s, b, h, i, j: np.where((j <= i) & (i - j <= 4) & (i % 3 != 0), s, -np.inf),
+        None,
+    ),
 }
 
+
+def _minus_inf_outside_window(score, b, h, q_idx, kv_idx):
+    """Masking done by the score: -inf outside a causal window of 4 and on
+    every third row, which then has nothing to attend (zeros, as a mask_mod's)."""
+    xp = array_namespace(score)
+    keep = (kv_idx <= q_idx) & (q_idx - kv_idx <= 4) & (q_idx % 3 != 0)
+    return xp.where(keep, score, -float("inf"))
+
+
 #: The cases also checked with return_weights=True (the dense path).
-WITH_WEIGHTS = ("no mods", "soft cap, causal", "or of masks, rows with nothing")
+WITH_WEIGHTS = (
+    "no mods",
+    "soft cap, causal",
+    "or of masks, rows with nothing",
+    "-inf from score_mod, rows with nothing",
+)
 
 
 def _inputs(be, dtype, n=N, m=M, width=D, value_width=3):

@@ -106,3 +106,17 @@ def test_masked_softmax_leaves_its_input_alone(attnx_backend, axis, with_additiv
         mask = be.array(np.zeros(4 if axis == 0 else 5), dtype) if with_additive else None
         attnx.masked_softmax(given, mask=mask, axis=axis)
         np.testing.assert_array_equal(be.numpy(given), before, err_msg=f"{dtype}: the input changed")
+
+
+def test_minus_inf_scores_mask_as_a_mask_does(attnx_backend):
+    """-inf in the scores themselves masks those entries: the same weights as
+    an all-True mask gives, and zeros, not NaN, on a row of nothing but -inf."""
+    be = attnx_backend
+    scores = np.array([[0.0, -np.inf, 1.0], [-np.inf, -np.inf, -np.inf], [2.0, 0.5, -1.0]])
+    expected = reference.softmax(scores)
+    assert np.all(expected[1] == 0)
+    for dtype in be.dtypes:
+        plain = attnx.masked_softmax(be.array(scores, dtype))
+        assert_close(plain, expected, be, dtype)
+        with_mask = attnx.masked_softmax(be.array(scores, dtype), mask=be.array(np.ones((3, 3), dtype=bool)))
+        assert_close(with_mask, expected, be, dtype)

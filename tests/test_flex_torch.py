@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
+from array_api_compat import array_namespace
 
 import attnx
 from attnx import mods
@@ -47,6 +48,10 @@ def _cases(backend):
     def every_third_row_empty(b, h, q_idx, kv_idx):
         return q_idx % 3 != 0
 
+    def minus_inf_outside_window(score, b, h, q_idx, kv_idx):
+        keep = (kv_idx <= q_idx) & (q_idx - kv_idx <= 8) & (q_idx % 3 != 0)
+        return array_namespace(score).where(keep, score, -float("inf"))
+
     return {
         "causal": (None, mods.causal),
         "sliding window": (None, mods.sliding_window(32)),
@@ -57,6 +62,7 @@ def _cases(backend):
         "soft cap": (mods.soft_cap(2.0), None),
         "relative bias, window": (mods.relative_bias(on(table)), mods.sliding_window(64)),
         "empty rows": (None, attnx.and_masks(mods.sliding_window(8), every_third_row_empty)),
+        "empty rows, masked by score_mod's -inf": (minus_inf_outside_window, None),
     }
 
 
