@@ -560,7 +560,8 @@ def _flex_generic(
     batch_size, heads, n, d = query.shape
     kv_heads, m, d_v = key.shape[1], key.shape[2], value.shape[3]
     group = heads // kv_heads
-    batch = max(batch_size, key.shape[0], value.shape[0])
+    # Broadcast, not the largest: a batch of 0 against key/value's 1 is 0.
+    batch = _checks.broadcast(_FLEX, {"query": (batch_size,), "key": key.shape[:1], "value": value.shape[:1]})[0]
     device, dtype = _checks.device_of(query), query.dtype
     if n == 0 or m == 0:
         output = xp.zeros((batch, heads, n, d_v), dtype=dtype, device=device)

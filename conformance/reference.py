@@ -249,7 +249,9 @@ def flex_attention(
     the full score array and index grids) changes the scaled scores; the
     ``allowed`` (B, H, n, m) mask applies after.  Returns (output, weights)."""
     query, key, value = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
-    batch, heads, n, d = query.shape
+    (batch,) = np.broadcast_shapes(query.shape[:1], key.shape[:1], value.shape[:1])
+    _, heads, n, d = query.shape
+    query = np.broadcast_to(query, (batch, *query.shape[1:]))
     group = heads // key.shape[1]
     key = np.broadcast_to(np.repeat(key, group, axis=1), (batch, heads, *key.shape[2:]))
     value = np.broadcast_to(np.repeat(value, group, axis=1), (batch, heads, *value.shape[2:]))

@@ -259,6 +259,34 @@ def nadaraya_watson_call(draw):
 
 
 @st.composite
+def flex_call(draw):
+    batch, kv_heads, n, m, d, d_v = _dims(draw, 6, 1, 3)
+    group = draw(st.integers(1, 2))
+    arguments = {
+        "query": _array(draw, (batch, kv_heads * group, n, d)),
+        "key": _array(draw, (draw(st.sampled_from([1, batch])), kv_heads, m, d)),
+        "value": _array(draw, (batch, kv_heads, m, d_v)),
+        "enable_gqa": group > 1 or draw(st.booleans()),
+        "scale": draw(st.sampled_from([None, 0.5, 2.0])),
+        "return_weights": draw(st.booleans()),
+    }
+    kinds = {
+        "query": "array",
+        "key": "array",
+        "value": "array",
+        "enable_gqa": "flag",
+        "scale": "scale",
+        "return_weights": "flag",
+    }
+
+    def expected(query, key, value, enable_gqa, scale, return_weights):
+        output, weights = reference.flex_attention(query, key, value, scale=scale)
+        return (output, weights) if return_weights else output
+
+    return Call(attnx.flex_attention, arguments, kinds, expected)
+
+
+@st.composite
 def rotary_call(draw):
     n, half = _dims(draw, 2)
     lead = _dims(draw, draw(st.integers(0, 2)))
@@ -367,6 +395,7 @@ CALLS = {
     "additive_attention": additive_call(),
     "bahdanau_context": bahdanau_call(),
     "nadaraya_watson": nadaraya_watson_call(),
+    "flex_attention": flex_call(),
     "apply_rotary": rotary_call(),
     "causal_conv1d": conv_call(),
     "sinusoidal_positions": sinusoidal_call(),
