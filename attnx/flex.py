@@ -219,6 +219,9 @@ def create_block_mask(
     heads = 1 if H is None else _checks.require_positive_int(operation, "H", H)
     n = _checks.require_positive_int(operation, "Q_LEN", Q_LEN)
     m = _checks.require_positive_int(operation, "KV_LEN", KV_LEN)
+    # The mod is evaluated at every index: refused before a loop over more
+    # elements than any array's index can count.
+    _checks.require_size(operation, "B x H x Q_LEN x KV_LEN", batch, heads, n, m)
     q_block, kv_block = _block_size(operation, block_size)
     chosen, _, device = _dispatch.resolve_creation(operation, backend, device)
     xp = chosen.xp

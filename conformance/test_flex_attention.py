@@ -336,3 +336,10 @@ def test_alibi_slopes_follow_the_paper(attnx_backend, heads):
     be = attnx_backend
     slopes = mods.alibi_slopes(heads, dtype=be.dtype("float64"), backend=be.name, device=be.device)
     assert_close(slopes, np.array(_paper_slopes(heads)), be, be.dtype("float64"))
+
+
+def test_a_block_mask_no_index_can_count_is_refused_by_name(attnx_backend):
+    """Each size is a valid int64, their product is not: refused at once, not
+    after evaluating the mod over some of the 2**80 elements."""
+    with pytest.raises(ValueError, match=r"B x H x Q_LEN x KV_LEN = 2 x 1 x 1099511627776 x 1099511627776 would need"):
+        attnx.create_block_mask(mods.causal, 2, None, 2**40, 2**40, backend=attnx_backend.name)
