@@ -72,6 +72,7 @@ def from_scores(scores: Any, value: Any, *, allowed: Any = None, additive: Any =
     array, shape (..., n, d_v + 2)
     """
     xp = xp or array_namespace(scores, value)
+    _require_scores_and_values("from_scores", scores, value, "scores")
     if 0 in tuple(scores.shape):  # no query or no key: a maximum of nothing is undefined (Dask won't take one)
         leading, device = tuple(scores.shape[:-1]), _checks.device_of(scores)
         nothing = xp.zeros((*leading, value.shape[-1] + 1), dtype=scores.dtype, device=device)
@@ -86,8 +87,38 @@ def from_weights(weights: Any, value: Any, *, xp: Any = None) -> Any:
     normalised) over ``value``: as :func:`from_scores` of ``log(weights)``,
     without the logarithm.  Shapes as in :func:`from_scores`."""
     xp = xp or array_namespace(weights, value)
+    _require_scores_and_values("from_weights", weights, value, "weights")
     total = xp.sum(weights, axis=-1, keepdims=True)
     return pack(xp, weights @ value, total, xp.zeros_like(total))
+
+
+def _require_scores_and_values(operation: str, scores: Any, value: Any, name: str) -> None:
+    """``scores (..., n, m)`` and ``value (..., m, d_v)`` that fit, with
+    leading shapes that broadcast; a ValueError naming them otherwise."""
+    _checks.require_ndim(operation, name, scores, 2, "(..., n, m)")
+    _checks.require_ndim(operation, "value", value, 2, "(..., m, d_v)")
+    m = scores.shape[-1]
+    if value.shape[-2] != m and _checks.known(value.shape[-2], m):
+        raise ValueError(
+            f"{operation}: value must have shape (..., m, d_v) with m = {m} (from {name}), got {_checks.shape_of(value)}"
+        )
+    _checks.broadcast(operation, {name: scores.shape[:-2], "value": value.shape[:-2]}, _checks.LEADING)
+
+
+def _require_states(operation: str, named: dict[str, Any]) -> None:
+    """States ``(..., n, d_v + 2)`` of one ``d_v`` whose leading shapes
+    broadcast; a ValueError naming them otherwise."""
+    for name, state in named.items():
+        _checks.require_ndim(operation, name, state, 2, "(..., n, d_v + 2)")
+        if _checks.known(state.shape[-1]) and state.shape[-1] < 2:
+            raise ValueError(
+                f"{operation}: {name} must be a state of shape (..., n, d_v + 2), got {_checks.shape_of(state)}"
+            )
+    widths = {state.shape[-1] for state in named.values()}
+    if len(widths) > 1 and _checks.known(*widths):
+        described = ", ".join(f"{name} {_checks.shape_of(state)}" for name, state in named.items())
+        raise ValueError(f"{operation}: states must have one width d_v + 2, got {described}")
+    _checks.broadcast(operation, {name: state.shape[:-1] for name, state in named.items()}, "states' shapes (..., n)")
 
 
 def pack(xp: Any, weighted: Any, *columns: Any) -> Any:
@@ -141,6 +172,14 @@ def attend_block(
         says that nothing was attended.
     """
     xp = xp or array_namespace(query, key, value)
+    layouts = ("(..., rows, d_k)", "(..., cols, d_k)", "(..., cols, d_v)")
+    _checks.require_query_key_value("attend_block", xp, query, key, value, layouts)
+    if key.shape[-1] != query.shape[-1] and _checks.known(key.shape[-1], query.shape[-1]):
+        raise ValueError(
+            f"attend_block: key must have shape (..., cols, d_k) with d_k = {query.shape[-1]} (from query), "
+            f"got {_checks.shape_of(key)}"
+        )
+    _checks.leading_shape(query, key, value, "attend_block")
     compute = state_dtype(xp, query.dtype)
     if query.dtype != compute:
         query, key, value = (xp.astype(a, compute) for a in (query, key, value))
@@ -165,6 +204,7 @@ def attend_block(
 def combine(first: Any, second: Any, *, xp: Any = None) -> Any:
     """The state of the union of two disjoint sets of keys (broadcasting)."""
     xp = xp or array_namespace(first, second)
+    _require_states("combine", {"first": first, "second": second})
     row_max = xp.maximum(first[..., -1:], second[..., -1:])
     shift = _masking.finite_shift(xp, row_max)
     summed = _rescaled(xp, first, shift) + _rescaled(xp, second, shift)
@@ -175,6 +215,10 @@ def combine_along(states: Any, axis: int, *, keepdims: bool = False, xp: Any = N
     """The combined state of the states stacked along ``axis`` (not the
     last): a reduction, as for the partial results of a tree."""
     xp = xp or array_namespace(states)
+    _require_states("combine_along", {"states": states})
+    axis = _checks.require_int("combine_along", "axis", axis)
+    if not -states.ndim <= axis < states.ndim:
+        raise ValueError(f"combine_along: axis must lie in [-{states.ndim}, {states.ndim}), got {axis}")
     axis = axis % states.ndim
     if axis == states.ndim - 1:
         raise ValueError(f"combine_along: axis must not be the last (the state's own), got {axis}")
@@ -197,6 +241,7 @@ def finish(state: Any, *, dtype: Any = None, xp: Any = None) -> Any:
     over the sum of the weights (zeros where nothing was attended), in
     ``dtype`` (the state's by default)."""
     xp = xp or array_namespace(state)
+    _require_states("finish", {"state": state})
     output = state[..., :-2] / _masking.nonzero_total(xp, state[..., -2:-1])
     return output if dtype is None or output.dtype == dtype else xp.astype(output, dtype)
 

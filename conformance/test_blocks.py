@@ -119,3 +119,59 @@ def test_lengths_mask_in_every_layout(attnx_backend, layout):
     got = blocks.lengths_mask(be.array(lengths), (2, 3), 5, 6)
     expected = reference.allowed_mask(5, 6, batch_shape=(2, 3), key_lengths=lengths, lengths_per=layout)
     np.testing.assert_array_equal(np.broadcast_to(be.numpy(got), (2, 3, 5, 6)), expected)
+
+
+def _bad_block_calls():
+    def state(shape):
+        return lambda be: be.array(np.zeros(shape), "float64")
+
+    q, k, v = state((2, 3, 4)), state((2, 5, 4)), state((2, 5, 6))
+    return {
+        "attend_block, key's d_k": (
+            lambda be: blocks.attend_block(q(be), state((2, 5, 3))(be), v(be), scale=1.0),
+            r"attend_block: key must have shape \(\.\.\., cols, d_k\) with d_k = 4",
+        ),
+        "attend_block, value's rows": (
+            lambda be: blocks.attend_block(q(be), k(be), state((2, 4, 6))(be), scale=1.0),
+            r"attend_block: value must have m = 5 positions \(from key\)",
+        ),
+        "attend_block, leading shapes": (
+            lambda be: blocks.attend_block(q(be), state((3, 5, 4))(be), state((3, 5, 6))(be), scale=1.0),
+            r"attend_block: leading shapes \(\.\.\.\) do not broadcast: query \(2,\), key \(3,\)",
+        ),
+        "from_scores, value's rows": (
+            lambda be: blocks.from_scores(state((3, 5))(be), state((4, 2))(be)),
+            r"from_scores: value must have shape \(\.\.\., m, d_v\) with m = 5 \(from scores\)",
+        ),
+        "from_weights, a vector": (
+            lambda be: blocks.from_weights(state((5,))(be), state((5, 2))(be)),
+            r"from_weights: weights must have shape \(\.\.\., n, m\)",
+        ),
+        "combine, widths": (
+            lambda be: blocks.combine(state((2, 3, 8))(be), state((2, 3, 5))(be)),
+            r"combine: states must have one width d_v \+ 2, got first \(2, 3, 8\), second \(2, 3, 5\)",
+        ),
+        "combine, leading shapes": (
+            lambda be: blocks.combine(state((2, 3, 8))(be), state((3, 3, 8))(be)),
+            r"combine: states' shapes \(\.\.\., n\) do not broadcast: first \(2, 3\), second \(3, 3\)",
+        ),
+        "combine_along, an axis past the end": (
+            lambda be: blocks.combine_along(state((2, 3, 8))(be), 5),
+            r"combine_along: axis must lie in \[-3, 3\), got 5",
+        ),
+        "finish, no room for the sum and maximum": (
+            lambda be: blocks.finish(state((3, 1))(be)),
+            r"finish: state must be a state of shape \(\.\.\., n, d_v \+ 2\), got \(3, 1\)",
+        ),
+    }
+
+
+BAD_BLOCK_CALLS = _bad_block_calls()
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BLOCK_CALLS))
+def test_bad_blocks_are_named(attnx_backend, case):
+    """Shapes that don't fit: a ValueError naming the argument, not the library's broadcasting error."""
+    call, words = BAD_BLOCK_CALLS[case]
+    with pytest.raises(ValueError, match=words):
+        call(attnx_backend)
