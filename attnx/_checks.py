@@ -323,6 +323,10 @@ def require_scale(operation: str, xp: Any, scale: Any, d_k: int, dtype: Any) -> 
         value = float(scale)
         if not math.isfinite(value):
             raise ValueError(f"{operation}: scale must be finite, got {value}")
+        # Past float32's range it would become inf in the scores' dtype (the
+        # one comparison keeps small calls' checks short).
+        if abs(value) > _FLOAT32_MAX:
+            _require_finite_in(operation, xp, value, accumulation_dtype(xp, dtype))
         return value
     if _kind(xp, scale.dtype) not in ("float", "int"):
         raise TypeError(
@@ -331,7 +335,23 @@ def require_scale(operation: str, xp: Any, scale: Any, d_k: int, dtype: Any) -> 
     if values_known(scale) and not bool(xp.isfinite(scale)):
         raise ValueError(f"{operation}: scale must be finite, got {scale!r}")
     compute = accumulation_dtype(xp, dtype)
-    return xp.astype(scale, compute) if scale.dtype != compute else scale
+    if scale.dtype == compute:
+        return scale
+    if values_known(scale) and _kind(xp, scale.dtype) == "float":  # a float64 scale for float32 scores
+        _require_finite_in(operation, xp, float(scale), compute)
+    return xp.astype(scale, compute)
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _require_finite_in(operation: str, xp: Any, value: float, compute: Any) -> None:
+    largest = float(xp.finfo(compute).max)
+    if abs(value) > largest:
+        raise ValueError(
+            f"{operation}: scale must be finite in {dtype_label(compute)}, the dtype the scores are computed in "
+            f"(at most {largest:.7g} in magnitude), got {value!r}"
+        )
 
 
 def scale_array(scale: Any) -> Any:

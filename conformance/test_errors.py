@@ -108,6 +108,8 @@ BAD_ARGUMENTS = [
     ({"scale": "auto"}, TypeError, ["scale", "'auto'"]),
     ({"scale": float("nan")}, ValueError, ["scale", "finite"]),
     ({"scale": True}, TypeError, ["scale"]),
+    # Finite in Python, inf in the float32 scores: it would give NaN.
+    ({"scale": 1e300}, ValueError, ["scale", "finite in float32", "1e+300"]),
     ({"is_causal": "yes"}, TypeError, ["is_causal", "'yes'"]),
     ({"is_causal": 1}, TypeError, ["is_causal"]),
     ({"return_weights": "no"}, TypeError, ["return_weights", "'no'"]),

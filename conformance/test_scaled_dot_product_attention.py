@@ -122,6 +122,17 @@ def test_scale_argument(attnx_backend):
     assert_close(out, expected, be, "float64")
 
 
+def test_a_scale_array_beyond_the_scores_dtype_is_refused(attnx_backend):
+    """A float64 0-d scale of 1e300 for float32 inputs would be inf in the
+    float32 scores: refused where its value can be read, as a float's is."""
+    be = attnx_backend
+    if "float64" not in be.dtypes or be.lazy:
+        pytest.skip(f"{be.name} has no readable float64 scale here")
+    q = be.array(np.ones((2, 3, 4)), "float32")
+    with pytest.raises(ValueError, match=r"scale must be finite in float32"):
+        attnx.scaled_dot_product_attention(q, q, q, scale=be.array(np.array(1e300), "float64"))
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["plain", "chunked"])
 def test_stable_with_large_scores(attnx_backend, chunked):
     """Scores far beyond float16's largest number (65504): half precision is
