@@ -325,8 +325,8 @@ def require_scale(operation: str, xp: Any, scale: Any, d_k: int, dtype: Any) -> 
             raise ValueError(f"{operation}: scale must be finite, got {value}")
         # Past float32's range it would become inf in the scores' dtype (the
         # one comparison keeps small calls' checks short).
-        if abs(value) > _FLOAT32_MAX:
-            _require_finite_in(operation, xp, value, accumulation_dtype(xp, dtype))
+        if abs(value) > FLOAT32_MAX:
+            require_finite_in(operation, "scale", xp, value, accumulation_dtype(xp, dtype))
         return value
     if _kind(xp, scale.dtype) not in ("float", "int"):
         raise TypeError(
@@ -338,19 +338,28 @@ def require_scale(operation: str, xp: Any, scale: Any, d_k: int, dtype: Any) -> 
     if scale.dtype == compute:
         return scale
     if values_known(scale) and _kind(xp, scale.dtype) == "float":  # a float64 scale for float32 scores
-        _require_finite_in(operation, xp, float(scale), compute)
+        require_finite_in(operation, "scale", xp, float(scale), compute)
     return xp.astype(scale, compute)
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
+#: float32's range: numbers within it need no look at the computation's dtype.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_SMALLEST_NORMAL = 1.1754943508222875e-38
 
 
-def _require_finite_in(operation: str, xp: Any, value: float, compute: Any) -> None:
-    largest = float(xp.finfo(compute).max)
-    if abs(value) > largest:
+def require_finite_in(
+    operation: str, name: str, xp: Any, value: float, compute: Any, *, positive: bool = False
+) -> None:
+    """A ValueError naming ``name`` when the Python number ``value`` becomes
+    inf in ``compute``, the dtype it is computed in (or, ``positive``, when
+    it falls below its smallest normal number, on the way to 0)."""
+    info = xp.finfo(compute)
+    largest, smallest = float(info.max), float(info.smallest_normal)
+    if abs(value) > largest or (positive and value < smallest):
+        limits = f"between {smallest:.7g} and {largest:.7g}" if positive else f"at most {largest:.7g} in magnitude"
         raise ValueError(
-            f"{operation}: scale must be finite in {dtype_label(compute)}, the dtype the scores are computed in "
-            f"(at most {largest:.7g} in magnitude), got {value!r}"
+            f"{operation}: {name} must be finite{' and normal' if positive else ''} in {dtype_label(compute)}, "
+            f"the dtype it is computed in ({limits}), got {value!r}"
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,7 @@ def nadaraya_watson(
     -------
     estimate : array, shape (n,) or (n, d_v)
     weights : array, shape (n, m), only with ``return_weights=True``
+        In the inputs' dtype; half precision is computed in float32.
 
     Notes
     -----
@@ -113,9 +115,12 @@ def nadaraya_watson(
     if isinstance(bandwidth, bool):
         raise TypeError(f"{_NW}: bandwidth must be a positive float or a 0-d array, got {bandwidth!r}")
     if isinstance(bandwidth, (int, float)):
-        if not bandwidth > 0:
-            raise ValueError(f"{_NW}: bandwidth must be positive, got {bandwidth}")
+        if not (bandwidth > 0 and math.isfinite(bandwidth)):
+            raise ValueError(f"{_NW}: bandwidth must be positive and finite, got {bandwidth}")
         bandwidth = float(bandwidth)
+        if not _checks.FLOAT32_SMALLEST_NORMAL <= bandwidth <= _checks.FLOAT32_MAX:  # 0 or inf in float32
+            compute = blocks.state_dtype(xp, queries.dtype)
+            _checks.require_finite_in(_NW, "bandwidth", xp, bandwidth, compute, positive=True)
     elif getattr(bandwidth, "ndim", None) != 0:
         raise ValueError(f"{_NW}: bandwidth must be a positive float or a 0-d array, got {bandwidth!r}")
     elif _checks.values_known(bandwidth) and not bool(bandwidth > 0):
@@ -167,17 +172,32 @@ def _check_kernel(chosen: Any, kernel: Callable[[Any], Any], queries: Any) -> No
 def _nadaraya_watson_generic(
     xp: Any, *, queries: Any, keys: Any, values: Any, kernel: Any, bandwidth: Any, return_weights: bool
 ) -> Any:
+    dtype = queries.dtype
     if not return_weights:
-        return finish_state(
-            kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth, xp=xp), values, xp=xp
-        )
+        state = kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth, xp=xp)
+        return finish_state(state, values, dtype=dtype, xp=xp)
+    queries, keys, values, bandwidth = _in_state_dtype(xp, queries, keys, values, bandwidth)
     kernel_values, is_log = _kernel_values(xp, queries, keys, kernel, bandwidth)
     if is_log:
         weights = _masking.softmax(xp, kernel_values)
     else:
         weights = kernel_values / _masking.safe_total(xp, kernel_values)
     estimate = weights @ values if values.ndim == 2 else xp.sum(weights * values, axis=-1)
+    if estimate.dtype != dtype:
+        estimate, weights = xp.astype(estimate, dtype), xp.astype(weights, dtype)
     return estimate, weights
+
+
+def _in_state_dtype(xp: Any, queries: Any, keys: Any, values: Any, bandwidth: Any) -> tuple[Any, Any, Any, Any]:
+    """The arguments in the dtype the states are computed in: float32 for
+    half precision, whose squared distances overflow past 256 (a query far
+    from every key would get zeros, not its nearest key's value)."""
+    compute = blocks.state_dtype(xp, queries.dtype)
+    if queries.dtype == compute:
+        return queries, keys, values, bandwidth
+    if not isinstance(bandwidth, float):  # a 0-d array
+        bandwidth = xp.astype(bandwidth, compute)
+    return (*(xp.astype(a, compute) for a in (queries, keys, values)), bandwidth)
 
 
 def _kernel_values(xp: Any, queries: Any, keys: Any, kernel: Any, bandwidth: Any) -> tuple[Any, bool]:
@@ -204,8 +224,10 @@ def kernel_state(
     Returns
     -------
     array, shape (n, d_v + 2), with ``d_v = 1`` for values of shape ``(m,)``
+        In float32 for inputs of half precision (:func:`attnx.blocks.state_dtype`).
     """
     xp = xp or array_namespace(queries, keys, values)
+    queries, keys, values, bandwidth = _in_state_dtype(xp, queries, keys, values, bandwidth)
     kernel_values, is_log = _kernel_values(xp, queries, keys, kernel, bandwidth)
     columns = values if values.ndim == 2 else values[:, None]
     return (
@@ -215,8 +237,8 @@ def kernel_state(
     )
 
 
-def finish_state(state: Any, values: Any, *, xp: Any = None) -> Any:
+def finish_state(state: Any, values: Any, *, dtype: Any = None, xp: Any = None) -> Any:
     """The estimate of a :func:`kernel_state`: ``(n, d_v)``, or ``(n,)`` for
-    values of shape ``(m,)``."""
-    estimate = blocks.finish(state, xp=xp or array_namespace(state))
+    values of shape ``(m,)``, in ``dtype`` (the state's by default)."""
+    estimate = blocks.finish(state, dtype=dtype, xp=xp or array_namespace(state))
     return estimate if values.ndim == 2 else estimate[:, 0]

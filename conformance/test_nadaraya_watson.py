@@ -67,6 +67,25 @@ def test_callable_kernel_and_learned_width(attnx_backend):
     assert_close(out, expected, be, "float64")
 
 
+def test_a_query_far_from_every_key_gets_the_nearest_key_s_value(attnx_backend):
+    """The gaussian reaches every key: far away the nearest one dominates (a
+    softmax of -u^2 / 2), in half precision too, whose squared distances
+    overflow past 256 (it is computed in float32)."""
+    be = attnx_backend
+    queries, keys, values = np.array([0.3, 50.0, 500.0]), np.linspace(0, 1, 5), np.arange(5.0)
+    for dtype in be.dtypes:
+        q, k, v = (rounded(a, be, dtype) for a in (queries, keys, values))
+        expected = reference.softmax(-((q[:, None] - k[None, :]) ** 2) / 2) @ v
+        assert np.allclose(expected[1:], 4.0)
+        for return_weights in (False, True):
+            got = attnx.nadaraya_watson(
+                *(be.array(a, dtype) for a in (queries, keys, values)), return_weights=return_weights
+            )
+            estimate = got[0] if return_weights else got
+            assert be.dtype_name(estimate) == dtype
+            assert_close(estimate, expected, be, dtype)
+
+
 def test_bad_input(attnx_backend):
     be = attnx_backend
     keys = be.array(np.zeros((5, 2)), "float64")
@@ -76,6 +95,17 @@ def test_bad_input(attnx_backend):
         attnx.nadaraya_watson(
             be.array(np.zeros((3, 2)), "float64"), keys, be.array(np.zeros(5), "float64"), bandwidth=0
         )
+    for bandwidth in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="bandwidth must be positive and finite"):
+            attnx.nadaraya_watson(
+                be.array(np.zeros((3, 2)), "float64"), keys, be.array(np.zeros(5), "float64"), bandwidth=bandwidth
+            )
+    # 0 and inf in float32: a query on a key would get 0 / 0.
+    for bandwidth in (1e-50, 1e300):
+        with pytest.raises(ValueError, match=r"bandwidth must be finite and normal in float32, .*, got 1e"):
+            attnx.nadaraya_watson(
+                *(be.array(np.zeros(shape), "float32") for shape in ((3, 2), (5, 2), (5,))), bandwidth=bandwidth
+            )
     with pytest.raises(ValueError, match="kernel must be one of"):
         attnx.nadaraya_watson(
             be.array(np.zeros((3, 2)), "float64"), keys, be.array(np.zeros(5), "float64"), kernel="cauchy"
