@@ -46,6 +46,7 @@ def additive_attention(
     -------
     output : array, shape (..., n, d_v)
     weights : array, shape (..., n, m), only with ``return_weights=True``
+        In the inputs' dtype; half precision is computed in float32.
 
     Notes
     -----
@@ -144,6 +145,11 @@ def _additive_generic(
     key_lengths: Any,
     return_weights: bool,
 ) -> Any:
+    dtype = query.dtype
+    compute = _checks.accumulation_dtype(xp, dtype)
+    if compute != dtype:  # half precision in float32, as attention: a float16 sum over 65,504 keys is inf
+        query, key, value = (xp.astype(a, compute) for a in (query, key, value))
+        params = {name: xp.astype(array, compute) for name, array in params.items()}
     scores = additive_scores(xp, query, key, params)
     batch_shape = _checks.leading_shape(query, key, value)
     allowed, additive = _masking.combine(
@@ -159,6 +165,8 @@ def _additive_generic(
     )
     weights = _masking.softmax(xp, scores, allowed, additive)
     output = weights @ value
+    if compute != dtype:
+        output, weights = xp.astype(output, dtype), xp.astype(weights, dtype)
     if not return_weights:
         return output
     if tuple(weights.shape[:-2]) != tuple(batch_shape):  # leading dimensions only value had
