@@ -191,6 +191,10 @@ def create_block_mask(
         True where a query attends a key.
     B, H : int or None
         Batch size and heads; None where the mask is the same for all.
+        The blocks are then recorded for ``b = 0`` (``h = 0``) alone, as
+        PyTorch's are: a ``mask_mod`` that reads ``b`` (``h``), such as
+        :func:`attnx.mods.prefix_lm` of one length per entry, needs ``B``
+        (``H``), or other entries' blocks are skipped or left unmasked.
     Q_LEN, KV_LEN : int
         Queries and keys.
     block_size : int or (int, int)
