@@ -17,7 +17,16 @@ from typing import Any, Literal
 
 from array_api_compat import is_writeable_array
 
-from attnx._checks import broadcast, device_of, dtype_kind, dtype_name, shape_of, values_known
+from attnx._checks import (
+    accumulation_dtype,
+    broadcast,
+    device_of,
+    dtype_kind,
+    dtype_label,
+    dtype_name,
+    shape_of,
+    values_known,
+)
 from attnx._tracing import run_at_trace_time
 
 Align = Literal["bottom_right", "top_left"]
@@ -104,7 +113,9 @@ def window(
 # -- checks ---------------------------------------------------------------
 
 
-def check_mask(operation: str, xp: Any, mask: Any, batch_shape: tuple[int, ...], n: int, m: int) -> None:
+def check_mask(
+    operation: str, xp: Any, mask: Any, batch_shape: tuple[int, ...], n: int, m: int, scores_dtype: Any
+) -> None:
     kind = dtype_kind(xp, mask)
     if kind not in ("bool", "float"):
         raise TypeError(
@@ -129,6 +140,15 @@ def check_mask(operation: str, xp: Any, mask: Any, batch_shape: tuple[int, ...],
             f"{operation}: a real mask is added to the scores and must hold finite values or -inf "
             f"(forbidden), got {found}"
         )
+    compute = accumulation_dtype(xp, scores_dtype)
+    if kind == "float" and mask.dtype != compute and values_known(mask) and mask.ndim and 0 not in shape_of(mask):
+        # A float64 mask for float32 scores: its large values become +inf there.
+        largest = float(xp.max(mask))
+        if largest > float(xp.finfo(compute).max):
+            raise ValueError(
+                f"{operation}: a real mask is added to the scores and must hold finite values or -inf "
+                f"(forbidden) in {dtype_label(compute)}, the dtype the scores are computed in, got {largest!r}"
+            )
 
 
 def _lengths_layout(shape: tuple[int, ...], batch_shape: tuple[int, ...], n: int) -> str | None:
@@ -178,12 +198,15 @@ def check_masks(
     n: int,
     m: int,
     *,
+    scores_dtype: Any,
     mask_batch_shape: tuple[int, ...] | None = None,
 ) -> None:
     """Check ``mask`` (against ``mask_batch_shape``, default ``batch_shape``)
-    and ``key_lengths`` for scores of shape ``(*batch_shape, n, m)``."""
+    and ``key_lengths`` for scores of shape ``(*batch_shape, n, m)`` of
+    inputs of ``scores_dtype``."""
     if mask is not None:
-        check_mask(operation, xp, mask, batch_shape if mask_batch_shape is None else mask_batch_shape, n, m)
+        mask_shape = batch_shape if mask_batch_shape is None else mask_batch_shape
+        check_mask(operation, xp, mask, mask_shape, n, m, scores_dtype)
     if key_lengths is not None:
         check_lengths(operation, xp, key_lengths, batch_shape, n, m)
 

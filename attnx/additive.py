@@ -115,7 +115,9 @@ def check_additive(
     )
     _params.vector(operation, xp, params, "w_v", size=hidden, dtype=query.dtype)
     batch_shape = _checks.leading_shape(query, key, value, operation, names)
-    _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, query.shape[-2], key.shape[-2])
+    _masking.check_masks(
+        operation, xp, mask, key_lengths, batch_shape, query.shape[-2], key.shape[-2], scores_dtype=query.dtype
+    )
 
 
 def additive_scores(xp: Any, query: Any, key: Any, params: Mapping[str, Any]) -> Any:

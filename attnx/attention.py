@@ -266,7 +266,7 @@ def check_attention_inputs(
         _checks.require_known(
             operation, "a mask", {"query": query, "key": key, "value": value, "mask": mask, "key_lengths": key_lengths}
         )
-        _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, n, m)
+        _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, n, m, scores_dtype=dtype)
     return _checks.require_scale(operation, xp, scale, d_k, dtype), batch_shape, n, m
 
 
@@ -412,7 +412,7 @@ def masked_softmax(
         raise ValueError(
             f"{operation}: mask must broadcast to the scores' shape ({m},), got shape {_checks.shape_of(mask)}"
         )
-    _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, n, m)
+    _masking.check_masks(operation, xp, mask, key_lengths, batch_shape, n, m, scores_dtype=scores.dtype)
     return _dispatch.call(
         operation,
         chosen,

@@ -121,7 +121,9 @@ def multi_head_attention(
     n, m = query.shape[-2], key.shape[-2]
     per_head = mask is not None and mask.ndim == len(batch_shape) + 3
     mask_batch_shape = (*batch_shape, num_heads) if per_head else batch_shape
-    _masking.check_masks(_MHA, xp, mask, key_lengths, batch_shape, n, m, mask_batch_shape=mask_batch_shape)
+    _masking.check_masks(
+        _MHA, xp, mask, key_lengths, batch_shape, n, m, scores_dtype=query.dtype, mask_batch_shape=mask_batch_shape
+    )
     return _dispatch.call(
         _MHA,
         chosen,

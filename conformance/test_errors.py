@@ -47,9 +47,16 @@ CASES = [
     # A real mask is added to the scores: +inf or NaN there would make rows NaN.
     ("mask +inf", {"mask": (np.where(np.eye(3, 5) > 0, np.inf, 0).astype(F), None)}, ValueError, ["mask", "+inf"]),
     ("mask NaN", {"mask": (np.where(np.eye(3, 5) > 0, np.nan, 0).astype(F), None)}, ValueError, ["mask", "NaN"]),
+    # Finite in a float64 mask, +inf in the float32 scores it is added to.
+    (
+        "float64 mask past float32",
+        {"mask": (np.where(np.eye(3, 5) > 0, 1e300, 0.0), None)},
+        ValueError,
+        ["mask", "in float32", "1e+300"],
+    ),
 ]
 #: Cases found by reading values: lazy arrays' values are not read (that would compute them).
-VALUE_CASES = {"lengths too large", "negative lengths", "mask +inf", "mask NaN"}
+VALUE_CASES = {"lengths too large", "negative lengths", "mask +inf", "mask NaN", "float64 mask past float32"}
 
 
 def _build(be, spec):
@@ -66,6 +73,8 @@ def _build(be, spec):
 def test_bad_input_raises(attnx_backend, description, overrides, exception, words):
     if description in VALUE_CASES and attnx_backend.lazy:
         pytest.skip("lazy arrays' values are read only when computed: attnx doesn't check them")
+    if "float64" in description and "float64" not in attnx_backend.dtypes:
+        pytest.skip(f"{attnx_backend.name} makes no float64 arrays here")
     specs = {**GOOD, **overrides}
     arrays = {name: _build(attnx_backend, spec) for name, spec in specs.items()}
     with pytest.raises(exception) as info:
