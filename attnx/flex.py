@@ -570,7 +570,7 @@ def _flex_generic(
     # Broadcast, not the largest: a batch of 0 against key/value's 1 is 0.
     batch = _checks.broadcast(_FLEX, {"query": (batch_size,), "key": key.shape[:1], "value": value.shape[:1]})[0]
     device, dtype = _checks.device_of(query), query.dtype
-    if n == 0 or m == 0:
+    if 0 in (batch, heads, n, m):  # nothing to compute (a reduction over nothing is undefined: Dask's fails)
         output = xp.zeros((batch, heads, n, d_v), dtype=dtype, device=device)
         return (output, xp.zeros((batch, heads, n, m), dtype=dtype, device=device)) if return_weights else output
     grouped = (

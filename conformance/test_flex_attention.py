@@ -343,3 +343,21 @@ def test_a_block_mask_no_index_can_count_is_refused_by_name(attnx_backend):
     after evaluating the mod over some of the 2**80 elements."""
     with pytest.raises(ValueError, match=r"B x H x Q_LEN x KV_LEN = 2 x 1 x 1099511627776 x 1099511627776 would need"):
         attnx.create_block_mask(mods.causal, 2, None, 2**40, 2**40, backend=attnx_backend.name)
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_shape",
+    [((1, 0, 3, 2), (1, 1, 4, 2)), ((0, 2, 3, 2), (1, 2, 4, 2)), ((2, 2, 0, 2), (2, 2, 4, 2))],
+    ids=["no heads", "no batch", "no queries"],
+)
+@pytest.mark.parametrize("return_weights", [False, True])
+def test_empty_inputs_give_empty_outputs(attnx_backend, q_shape, kv_shape, return_weights):
+    """Found by the bad-input properties on Dask: no heads made a reduction over nothing."""
+    be = attnx_backend
+    query, key = be.array(np.ones(q_shape), "float32"), be.array(np.ones(kv_shape), "float32")
+    result = attnx.flex_attention(query, key, key, enable_gqa=True, return_weights=return_weights)
+    output = result[0] if return_weights else result
+    batch = max(q_shape[0], kv_shape[0]) if 0 not in (q_shape[0], kv_shape[0]) else 0
+    assert be.numpy(output).shape == (batch, q_shape[1], q_shape[2], kv_shape[3])
+    if return_weights:
+        assert be.numpy(result[1]).shape == (batch, q_shape[1], q_shape[2], kv_shape[2])
