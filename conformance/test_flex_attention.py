@@ -361,3 +361,37 @@ def test_empty_inputs_give_empty_outputs(attnx_backend, q_shape, kv_shape, retur
     assert be.numpy(output).shape == (batch, q_shape[1], q_shape[2], kv_shape[3])
     if return_weights:
         assert be.numpy(result[1]).shape == (batch, q_shape[1], q_shape[2], kv_shape[2])
+
+
+BAD_BLOCK_MASK_ARGUMENTS = {
+    "B of 0": ((mods.causal, 0, None, 8, 8), {}, ValueError, "B must be a positive integer, got 0"),
+    "H a bool": ((mods.causal, None, True, 8, 8), {}, TypeError, "H must be an integer, got True"),
+    "Q_LEN a float": ((mods.causal, None, None, 8.0, 8), {}, TypeError, r"Q_LEN must be an integer, got 8\.0"),
+    "KV_LEN negative": ((mods.causal, None, None, 8, -1), {}, ValueError, "KV_LEN must be a positive integer"),
+    "block_size of 0": (
+        (mods.causal, None, None, 8, 8),
+        {"block_size": 0},
+        ValueError,
+        "block_size must be a positive",
+    ),
+    "block_size of three": (
+        (mods.causal, None, None, 8, 8),
+        {"block_size": (1, 2, 3)},
+        ValueError,
+        r"block_size must be an int or a \(q_block, kv_block\) pair",
+    ),
+    "mask_mod not callable": ((3, None, None, 8, 8), {}, TypeError, "mask_mod must be a callable"),
+    "mask_mod returns a bool": (
+        (lambda b, h, q, kv: True, None, None, 8, 8),
+        {},
+        TypeError,
+        "mask_mod must return an array of the",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BLOCK_MASK_ARGUMENTS))
+def test_bad_block_mask_arguments_are_named(attnx_backend, case):
+    arguments, keywords, error, message = BAD_BLOCK_MASK_ARGUMENTS[case]
+    with pytest.raises(error, match=f"create_block_mask: {message}"):
+        attnx.create_block_mask(*arguments, backend=attnx_backend.name, **keywords)
