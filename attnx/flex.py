@@ -476,6 +476,8 @@ def flex_attention(
     scale = _checks.require_scale(operation, xp, scale, query.shape[-1], query.dtype)
     if block_mask is not None:
         _check_block_mask(operation, block_mask, batch, heads, n, m)
+        if n and m:
+            _require_broadcast_mod(operation, chosen, block_mask, batch, heads, n, m, _checks.device_of(query))
     if score_mod is not None and n and m:
         compute = _checks.accumulation_dtype(xp, query.dtype)
         probe = xp.zeros((batch, heads, min(n, 2), min(m, 2)), dtype=compute, device=_checks.device_of(query))
@@ -546,6 +548,30 @@ def _check_block_mask(operation: str, block_mask: BlockMask, batch: int, heads: 
             f"{operation}: block_mask was created for (B, H, Q_LEN, KV_LEN) = {block_mask.shape}, "
             f"but the inputs have (B, H, n, m) = {inputs}; create it for these sizes"
         )
+
+
+def _require_broadcast_mod(
+    operation: str, chosen: Any, block_mask: BlockMask, batch: int, heads: int, n: int, m: int, device: Any
+) -> None:
+    """A block mask made with ``B=None`` (``H=None``) recorded its blocks for
+    entry 0 alone: its ``mask_mod`` must not read ``b`` (``h``), or the other
+    entries' blocks would be skipped or left unmasked.  Told apart by the
+    shape of the mod's mask on a small tile of every entry and head."""
+    mask_batch, mask_heads = block_mask.shape[:2]
+    if (mask_batch is not None or batch == 1) and (mask_heads is not None or heads == 1):
+        return
+    allowed = call_mask_mod(
+        operation, chosen, block_mask.mask_mod, (0, batch), heads, (0, min(n, 2)), (0, min(m, 2)), device
+    )
+    for axis, (made_with, size, name, index) in enumerate(
+        ((mask_batch, batch, "B", "b"), (mask_heads, heads, "H", "h"))
+    ):
+        if made_with is None and size > 1 and allowed.shape[axis] != 1:
+            raise ValueError(
+                f"{operation}: block_mask was created with {name}=None, for a mask that is the same for every "
+                f"{'batch entry' if name == 'B' else 'head'}, but its mask_mod reads {index} (it gave one mask per "
+                f"{'entry' if name == 'B' else 'head'}): create it with {name}={size}"
+            )
 
 
 def _flex_generic(

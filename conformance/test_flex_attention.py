@@ -395,3 +395,32 @@ def test_bad_block_mask_arguments_are_named(attnx_backend, case):
     arguments, keywords, error, message = BAD_BLOCK_MASK_ARGUMENTS[case]
     with pytest.raises(error, match=f"create_block_mask: {message}"):
         attnx.create_block_mask(*arguments, backend=attnx_backend.name, **keywords)
+
+
+@pytest.mark.parametrize("axis", ["B", "H"])
+def test_a_block_mask_for_every_entry_whose_mod_reads_b_or_h_is_refused(attnx_backend, axis):
+    """B=None (H=None) records the blocks of entry 0 alone: a mod that reads b
+    (h) would have the other entries' blocks skipped or left unmasked."""
+    be = attnx_backend
+    (query, key, value), _ = _inputs(be, "float32")
+    if axis == "B":
+        _indexable(be)
+        mask_mod = mods.prefix_lm(be.array(np.array([0, M])))
+    else:
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + h
+
+    block_mask = _block_mask(be, mask_mod, None, None, N, M, block_size=BLOCK)
+    size = B if axis == "B" else H
+    with pytest.raises(
+        ValueError, match=rf"created with {axis}=None.*reads {axis.lower()}.*create it with {axis}={size}"
+    ):
+        attnx.flex_attention(query, key, value, None, block_mask, enable_gqa=True)
+    sizes = (B, None) if axis == "B" else (None, H)
+    fitting = _block_mask(be, mask_mod, *sizes, N, M, block_size=BLOCK)
+    b, h, i, j = np.meshgrid(np.arange(B), np.arange(H), np.arange(N), np.arange(M), indexing="ij")
+    allowed = ((j < np.array([0, M])[b]) | (j <= i)) if axis == "B" else (j <= i + h)
+    _, exact = _inputs(be, "float32")
+    expected, _ = reference.flex_attention(*exact, allowed=allowed)
+    assert_close(attnx.flex_attention(query, key, value, None, fitting, enable_gqa=True), expected, be, "float32")
