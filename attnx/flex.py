@@ -194,7 +194,7 @@ def create_block_mask(
         The blocks are then recorded for ``b = 0`` (``h = 0``) alone, as
         PyTorch's are: a ``mask_mod`` that reads ``b`` (``h``), such as
         :func:`attnx.mods.prefix_lm` of one length per entry, needs ``B``
-        (``H``), or other entries' blocks are skipped or left unmasked.
+        (``H``); :func:`flex_attention` refuses it otherwise.
     Q_LEN, KV_LEN : int
         Queries and keys.
     block_size : int or (int, int)
