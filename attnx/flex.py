@@ -146,7 +146,7 @@ def and_masks(*mask_mods: MaskMod) -> MaskMod:
             allowed = allowed & mod(b, h, q_idx, kv_idx)
         return allowed
 
-    return both
+    return for_sizes(both, *(size for mod in mask_mods for size in declared_sizes(mod)))
 
 
 def or_masks(*mask_mods: MaskMod) -> MaskMod:
@@ -159,7 +159,47 @@ def or_masks(*mask_mods: MaskMod) -> MaskMod:
             allowed = allowed | mod(b, h, q_idx, kv_idx)
         return allowed
 
-    return either
+    return for_sizes(either, *(size for mod in mask_mods for size in declared_sizes(mod)))
+
+
+#: A mod's tables and the call they were made for, as ``(maker, argument,
+#: axis, size)`` with ``axis`` one of ``"B"``, ``"H"``, ``"positions"``:
+#: ``alibi(slopes)`` of 8 slopes is for 8 heads.  Indexing a table past its
+#: end fails, but indexing it short of its end (4 heads of 8 slopes) would
+#: silently take another call's entries: the sizes are checked instead.
+TableSize = tuple[str, str, str, int]
+_SIZES_ATTRIBUTE = "_attnx_table_sizes"
+
+
+def for_sizes(mod: Any, *sizes: TableSize) -> Any:
+    """``mod``, recording the sizes its tables are for (see :data:`TableSize`)."""
+    if sizes:
+        setattr(mod, _SIZES_ATTRIBUTE, sizes)
+    return mod
+
+
+def declared_sizes(mod: Any) -> tuple[TableSize, ...]:
+    """The sizes ``mod``'s tables are for; none for a mod of the user's own."""
+    return getattr(mod, _SIZES_ATTRIBUTE, ())
+
+
+def _require_table_sizes(
+    operation: str, role: str, mod: Any, batch: int | None, heads: int | None, n: int, m: int
+) -> None:
+    """A ValueError when one of ``mod``'s tables was made for another batch,
+    other heads or fewer positions than the call's (``None``: not known)."""
+    for maker, argument, axis, size in declared_sizes(mod):
+        if axis == "B" and batch is not None and size != batch:
+            made_for, wanted = f"{size} batch entries", f"B = {batch}"
+        elif axis == "H" and heads is not None and size != heads:
+            made_for, wanted = f"{size} heads", f"H = {heads}"
+        elif axis == "positions" and size < max(n, m):
+            made_for, wanted = f"{size} positions", f"max(n, m) = {max(n, m)}"
+        else:
+            continue
+        raise ValueError(
+            f"{operation}: {role} {maker}({argument}) has {argument} for {made_for}, but the call has {wanted}"
+        )
 
 
 def _require_mods(operation: str, mods: tuple[Any, ...]) -> None:
@@ -226,6 +266,9 @@ def create_block_mask(
     # The mod is evaluated at every index: refused before a loop over more
     # elements than any array's index can count.
     _checks.require_size(operation, "B x H x Q_LEN x KV_LEN", batch, heads, n, m)
+    _require_table_sizes(
+        operation, "mask_mod", mask_mod, None if B is None else batch, None if H is None else heads, n, m
+    )
     q_block, kv_block = _block_size(operation, block_size)
     chosen, _, device = _dispatch.resolve_creation(operation, backend, device)
     xp = chosen.xp
@@ -474,8 +517,11 @@ def flex_attention(
         )
     batch, heads, n, m = _check_flex_inputs(operation, xp, query, key, value, enable_gqa)
     scale = _checks.require_scale(operation, xp, scale, query.shape[-1], query.dtype)
+    if score_mod is not None:
+        _require_table_sizes(operation, "score_mod", score_mod, batch, heads, n, m)
     if block_mask is not None:
         _check_block_mask(operation, block_mask, batch, heads, n, m)
+        _require_table_sizes(operation, "block_mask's mask_mod", block_mask.mask_mod, batch, heads, n, m)
         if n and m:
             _require_broadcast_mod(operation, chosen, block_mask, batch, heads, n, m, _checks.device_of(query))
     if score_mod is not None and n and m:

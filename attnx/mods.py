@@ -26,6 +26,7 @@ import math
 from typing import Any
 
 from attnx import _checks, _dispatch, _masking
+from attnx.flex import for_sizes
 
 __all__ = [
     "alibi",
@@ -68,17 +69,18 @@ def document(document_ids: Any) -> Any:
         :func:`attnx.and_masks` for causal packed sequences.
     """
     _require_integer_array("document", "document_ids", document_ids, (1, 2))
+    positions = ("document", "document_ids", "positions", document_ids.shape[-1])
     if document_ids.ndim == 1:
 
         def same_document(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return document_ids[q_idx] == document_ids[kv_idx]
 
-    else:
+        return for_sizes(same_document, positions)
 
-        def same_document(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return document_ids[b, q_idx] == document_ids[b, kv_idx]
+    def same_document_per_entry(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return document_ids[b, q_idx] == document_ids[b, kv_idx]
 
-    return same_document
+    return for_sizes(same_document_per_entry, positions, ("document", "document_ids", "B", document_ids.shape[0]))
 
 
 def document_from_lengths(lengths: Any, n: int) -> Any:
@@ -97,7 +99,8 @@ def document_from_lengths(lengths: Any, n: int) -> Any:
     xp = _checks.namespace_of(lengths)
     ends = xp.cumulative_sum(lengths)
     positions = xp.arange(n, dtype=ends.dtype, device=_checks.device_of(lengths))
-    return document(xp.searchsorted(ends, positions, side="right"))
+    mod = document(xp.searchsorted(ends, positions, side="right"))
+    return for_sizes(mod, ("document_from_lengths", "n", "positions", n))
 
 
 def prefix_lm(prefix_length: int | Any) -> Any:
@@ -108,14 +111,14 @@ def prefix_lm(prefix_length: int | Any) -> Any:
     if hasattr(prefix_length, "shape"):
         _require_integer_array("prefix_lm", "prefix_length", prefix_length, (1,))
 
-        def prefix_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        def prefix_mask_per_entry(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             return (kv_idx < prefix_length[b]) | _masking.causal_rule(q_idx, kv_idx)
 
-    else:
-        prefix_length = _checks.require_positive_int("prefix_lm", "prefix_length", prefix_length, allow_zero=True)
+        return for_sizes(prefix_mask_per_entry, ("prefix_lm", "prefix_length", "B", prefix_length.shape[0]))
+    prefix_length = _checks.require_positive_int("prefix_lm", "prefix_length", prefix_length, allow_zero=True)
 
-        def prefix_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return (kv_idx < prefix_length) | _masking.causal_rule(q_idx, kv_idx)
+    def prefix_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx < prefix_length) | _masking.causal_rule(q_idx, kv_idx)
 
     return prefix_mask
 
@@ -136,7 +139,7 @@ def alibi(slopes: Any) -> Any:
         distance = _checks.namespace_of(score).astype(kv_idx - q_idx, score.dtype)
         return score + slopes[h] * distance
 
-    return alibi_bias
+    return for_sizes(alibi_bias, ("alibi", "slopes", "H", slopes.shape[0]))
 
 
 def alibi_slopes(num_heads: int, *, dtype: Any = "float32", backend: str | None = None, device: Any = None) -> Any:
@@ -191,7 +194,7 @@ def relative_bias(table: Any) -> Any:
         distance = xp.where(distance > reach, reach, xp.where(distance < -reach, -reach, distance)) + reach
         return score + (table[distance] if table.ndim == 1 else table[h, distance])
 
-    return bias
+    return bias if table.ndim == 1 else for_sizes(bias, ("relative_bias", "table", "H", table.shape[0]))
 
 
 def _require_array(operation: str, name: str, array: Any, ndims: tuple[int, ...]) -> None:

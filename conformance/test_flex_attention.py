@@ -424,3 +424,68 @@ def test_a_block_mask_for_every_entry_whose_mod_reads_b_or_h_is_refused(attnx_ba
     _, exact = _inputs(be, "float32")
     expected, _ = reference.flex_attention(*exact, allowed=allowed)
     assert_close(attnx.flex_attention(query, key, value, None, fitting, enable_gqa=True), expected, be, "float32")
+
+
+def _table_mismatches():
+    """(call, message): each mod of attnx.mods made for another batch, other
+    heads or fewer positions than the call's.  Refused before the mod runs,
+    so on every backend (indexing short of a table's end would take the
+    entries of another call silently)."""
+    return {
+        "alibi slopes for 8 heads": (
+            lambda be, q: attnx.flex_attention(
+                q, q, q, mods.alibi(mods.alibi_slopes(8, backend=be.name, device=be.device))
+            ),
+            rf"flex_attention: score_mod alibi\(slopes\) has slopes for 8 heads, but the call has H = {H}",
+        ),
+        "relative_bias for 3 heads": (
+            lambda be, q: attnx.flex_attention(q, q, q, mods.relative_bias(be.array(np.zeros((3, 5)), "float32"))),
+            rf"score_mod relative_bias\(table\) has table for 3 heads, but the call has H = {H}",
+        ),
+        "prefix_lm of 3 lengths, B = 2": (
+            lambda be, q: _block_mask(be, mods.prefix_lm(be.array(np.array([1, 2, 3]))), B, None, N, N),
+            rf"create_block_mask: mask_mod prefix_lm\(prefix_length\) has prefix_length for 3 batch entries, but the call has B = {B}",
+        ),
+        "document ids of 6 positions, in and_masks": (
+            lambda be, q: _block_mask(
+                be,
+                attnx.and_masks(mods.causal, mods.document(be.array(np.zeros((B, 6), dtype=np.int64)))),
+                B,
+                None,
+                N,
+                N,
+            ),
+            rf"mask_mod document\(document_ids\) has document_ids for 6 positions, but the call has max\(n, m\) = {N}",
+        ),
+        "document ids of 3 entries, in or_masks, at flex_attention": (
+            lambda be, q: (
+                _indexable(be)  # the block mask is made first, running the mod
+                or attnx.flex_attention(
+                    q,
+                    q,
+                    q,
+                    None,
+                    _block_mask(
+                        be,
+                        attnx.or_masks(mods.causal, mods.document(be.array(np.zeros((3, N), dtype=np.int64)))),
+                        None,
+                        None,
+                        N,
+                        N,
+                    ),
+                )
+            ),
+            rf"flex_attention: block_mask's mask_mod document\(document_ids\) has document_ids for 3 batch entries, but the call has B = {B}",
+        ),
+    }
+
+
+TABLE_MISMATCHES = _table_mismatches()
+
+
+@pytest.mark.parametrize("case", sorted(TABLE_MISMATCHES))
+def test_a_mod_made_for_another_call_is_refused(attnx_backend, case):
+    call, message = TABLE_MISMATCHES[case]
+    query = attnx_backend.array(np.ones((B, H, N, D)), "float32")
+    with pytest.raises(ValueError, match=message):
+        call(attnx_backend, query)
