@@ -75,6 +75,9 @@ def _dims(draw, count, low=1, high=4):
 
 # -- valid calls, one builder per operation -----------------------------------
 
+#: How to corrupt the inputs of the attention operations.
+QKV_KINDS = {"query": "array", "key": "array", "value": "array"}
+
 
 @st.composite
 def sdpa_call(draw):
@@ -95,9 +98,7 @@ def sdpa_call(draw):
         "return_weights": draw(st.booleans()),
     }
     kinds = {
-        "query": "array",
-        "key": "array",
-        "value": "array",
+        **QKV_KINDS,
         "mask": "mask",
         "key_lengths": "optional_array",
         "is_causal": "flag",
@@ -171,9 +172,7 @@ def multi_head_call(draw):
         "return_weights": draw(st.booleans()),
     }
     kinds = {
-        "query": "array",
-        "key": "array",
-        "value": "array",
+        **QKV_KINDS,
         "params": "params",
         "num_heads": "size",
         "num_kv_heads": "size",
@@ -204,7 +203,7 @@ def additive_call(draw):
         },
         "return_weights": draw(st.booleans()),
     }
-    kinds = {"query": "array", "key": "array", "value": "array", "params": "params", "return_weights": "flag"}
+    kinds = {**QKV_KINDS, "params": "params", "return_weights": "flag"}
 
     def expected(query, key, value, params, return_weights):
         output, weights = reference.additive_attention(query, key, value, params)
@@ -270,14 +269,7 @@ def flex_call(draw):
         "scale": draw(st.sampled_from([None, 0.5, 2.0])),
         "return_weights": draw(st.booleans()),
     }
-    kinds = {
-        "query": "array",
-        "key": "array",
-        "value": "array",
-        "enable_gqa": "flag",
-        "scale": "scale",
-        "return_weights": "flag",
-    }
+    kinds = {**QKV_KINDS, "enable_gqa": "flag", "scale": "scale", "return_weights": "flag"}
 
     def expected(query, key, value, enable_gqa, scale, return_weights):
         output, weights = reference.flex_attention(query, key, value, scale=scale)
