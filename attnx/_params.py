@@ -96,6 +96,9 @@ def create(
     """
     import numpy as np
 
+    seed = _checks.require_int(operation, "seed", seed)
+    if seed < 0:  # NumPy's generators take any non-negative int, however large
+        raise ValueError(f"{operation}: seed must be a non-negative integer, got {seed}")
     chosen, _, device = _dispatch.resolve_creation(operation, backend, device)
     generator = np.random.default_rng(seed)
     drawn: dict[str, Any] = {}

@@ -364,8 +364,8 @@ def init_params_call(draw):
     h = draw(st.integers(1, 3))
     return Call(
         attnx.init_multi_head_params,
-        {"d_model": h * draw(st.integers(1, 3)), "num_heads": h},
-        {"d_model": "size", "num_heads": "size"},
+        {"d_model": h * draw(st.integers(1, 3)), "num_heads": h, "seed": draw(st.integers(0, 5))},
+        {"d_model": "size", "num_heads": "size", "seed": "size"},
         None,
     )
 
@@ -374,8 +374,8 @@ def init_params_call(draw):
 def learned_positions_call(draw):
     return Call(
         attnx.LearnedPositions,
-        {"num_positions": draw(st.integers(1, 6)), "dim": draw(st.integers(1, 6))},
-        {"num_positions": "size", "dim": "size"},
+        {"num_positions": draw(st.integers(1, 6)), "dim": draw(st.integers(1, 6)), "seed": draw(st.integers(0, 5))},
+        {"num_positions": "size", "dim": "size", "seed": "size"},
         None,
     )
 
