@@ -193,6 +193,8 @@ class Registry:
 
     def get(self, name: str) -> Backend:
         """The backend called ``name``, ready to use; raises if it can't be."""
+        if not isinstance(name, str):
+            raise TypeError(f"an attnx backend is named by a str, as `attnx backends` lists, got {name!r}")
         self._ensure_loaded()
         entry = self._entries.get(name)
         if entry is None:

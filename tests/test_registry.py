@@ -118,6 +118,14 @@ def test_unknown_backend_names_the_known_ones():
         attnx.set_backend("nope")
 
 
+@pytest.mark.parametrize("name", [3, ["numpy"], b"numpy"])
+def test_a_backend_is_named_by_a_str(name):
+    with pytest.raises(TypeError, match="an attnx backend is named by a str"):
+        attnx.set_backend(name)
+    with pytest.raises(TypeError, match="an attnx backend is named by a str"):
+        attnx.masks.causal(2, backend=name)
+
+
 def test_cli_backends_table():
     result = subprocess.run([sys.executable, "-m", "attnx.cli", "backends"], capture_output=True, text=True, check=True)
     header, _, *rows = result.stdout.splitlines()
