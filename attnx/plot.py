@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from attnx import _checks
+
 __all__ = ["attention_heatmap", "block_mask"]
 
 
@@ -30,6 +32,13 @@ def attention_heatmap(
     data = to_numpy(weights)
     if data.ndim != 2:
         raise ValueError(f"attention_heatmap: weights must have shape (n, m), got {tuple(data.shape)}")
+    for name, labels, size, axis in (
+        ("queries", queries, data.shape[0], "row"),
+        ("keys", keys, data.shape[1], "column"),
+    ):
+        if labels is not None and (isinstance(labels, str) or len(labels) != size):
+            got = repr(labels) if isinstance(labels, str) else f"{len(labels)} labels"
+            raise ValueError(f"attention_heatmap: {name} must be {size} labels, one per {axis} of weights, got {got}")
     if ax is None:
         _, ax = plt.subplots(figsize=(1 + 0.4 * data.shape[1], 1 + 0.4 * data.shape[0]))
     image = ax.imshow(data, cmap=cmap, vmin=0.0, aspect="auto")
@@ -59,6 +68,7 @@ def block_mask(mask: Any, *, batch: int = 0, head: int = 0, ax: Any = None, titl
         raise TypeError(f"block_mask: mask must be an attnx.BlockMask, got {type(mask).__name__}")
     kinds = to_numpy(mask.kinds)
     for name, index, size in (("batch", batch, mask.shape[0] or 1), ("head", head, mask.shape[1] or 1)):
+        index = _checks.require_int("block_mask", name, index)
         if not 0 <= index < size:
             raise ValueError(f"block_mask: {name} must lie in [0, {size}), got {index}")
     kinds = kinds[min(batch, kinds.shape[0] - 1), min(head, kinds.shape[1] - 1)]  # size 1: the same for all

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import attnx
+
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
@@ -109,6 +111,22 @@ def test_attnx_plot_is_reachable_after_a_plain_import():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "Axes"
+
+
+@pytest.mark.parametrize(
+    "labels, words",
+    [
+        ({"queries": ["a"]}, "queries must be 3 labels, one per row of weights, got 1 labels"),
+        ({"keys": list("abcdefg")}, "keys must be 4 labels, one per column of weights, got 7 labels"),
+        ({"keys": "abcd"}, "keys must be 4 labels, one per column of weights, got 'abcd'"),
+    ],
+)
+def test_heatmap_labels_one_per_row_and_column(labels, words):
+    """Labels for fewer rows than the weights have would name the wrong rows."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    with pytest.raises(ValueError, match=words):
+        attnx.plot.attention_heatmap(np.ones((3, 4)), **labels)
 
 
 def test_attention_heatmap_without_matplotlib_says_how_to_install_it():
