@@ -484,11 +484,15 @@ def flex_attention(
     Notes
     -----
     A query with no key to attend (every key masked by ``block_mask``, or
-    given ``-inf`` by ``score_mod``) gets zeros, as in PyTorch's.  Work runs tile by tile on
-    the online softmax within the memory budget, so a sliding window of
-    width ``w`` costs O(n * w * d).  The mods are called once on a small
-    tile before any other work, so a mod that fails, or returns the wrong
-    shape or dtype, is named in one error.
+    given ``-inf`` by ``score_mod``) gets zeros, as in PyTorch's.  Work runs
+    tile by tile on the online softmax within the memory budget, so a
+    sliding window of width ``w`` costs O(n * w * d).  The mods are called
+    once on a small tile before any other work, so a mod that fails, or
+    returns the wrong shape or dtype, is named in one error; the mods of
+    :mod:`attnx.mods` made for another batch, other heads or fewer
+    positions are refused (``alibi`` of 8 slopes for 4 heads), and so is a
+    block mask made with ``B=None`` or ``H=None`` whose ``mask_mod`` reads
+    ``b`` or ``h``.
 
     Native implementations are called with the keyword arguments ``query``,
     ``key``, ``value``, ``score_mod``, ``block_mask``, ``scale`` (a float, or
