@@ -68,3 +68,5 @@ def test_a_block_mask_is_drawn_block_by_block():
     assert "skipped" in ax.get_title()
     with pytest.raises(ValueError, match=r"head must lie in \[0, 2\), got 2"):
         attnx.plot.block_mask(block_mask, head=2)
+    with pytest.raises(TypeError, match=r"head must be an integer, got 1\.0"):
+        attnx.plot.block_mask(block_mask, head=1.0)
