@@ -417,3 +417,12 @@ def accumulation_dtype(xp: Any, dtype: Any) -> Any:
     if dtype == xp.float32 or dtype == xp.float64:
         return dtype
     return xp.float32
+
+
+def in_accumulation_dtype(xp: Any, *arrays: Any) -> tuple[Any, list[Any]]:
+    """The :func:`accumulation_dtype` of the first array's dtype, and the
+    arrays in it (cast only where it differs: half precision)."""
+    compute = accumulation_dtype(xp, arrays[0].dtype)
+    if compute == arrays[0].dtype:
+        return compute, list(arrays)
+    return compute, [xp.astype(array, compute) for array in arrays]

@@ -158,9 +158,7 @@ def attend_tiles(
     """
     batch_shape = tuple(batch_shape)
     dtype = query.dtype
-    compute = _checks.accumulation_dtype(xp, dtype)
-    if compute != dtype:
-        query, key, value = (xp.astype(a, compute) for a in (query, key, value))
+    compute, (query, key, value) = _checks.in_accumulation_dtype(xp, query, key, value)
     n, d_v = query.shape[-2], value.shape[-1]
     device = _checks.device_of(query)
     # A column of ones after the values: one matrix product then yields both

@@ -147,10 +147,10 @@ def _additive_generic(
     key_lengths: Any,
     return_weights: bool,
 ) -> Any:
+    # Half precision in float32, as attention: a float16 sum over 65,504 keys is inf.
     dtype = query.dtype
-    compute = _checks.accumulation_dtype(xp, dtype)
-    if compute != dtype:  # half precision in float32, as attention: a float16 sum over 65,504 keys is inf
-        query, key, value = (xp.astype(a, compute) for a in (query, key, value))
+    compute, (query, key, value) = _checks.in_accumulation_dtype(xp, query, key, value)
+    if compute != dtype:
         params = {name: xp.astype(array, compute) for name, array in params.items()}
     scores = additive_scores(xp, query, key, params)
     batch_shape = _checks.leading_shape(query, key, value)

@@ -311,9 +311,7 @@ def sdpa_generic(
             block_bytes=block_bytes,
         )
     dtype = query.dtype
-    compute = _checks.accumulation_dtype(xp, dtype)
-    if compute != dtype:
-        query, key, value = (xp.astype(a, compute) for a in (query, key, value))
+    compute, (query, key, value) = _checks.in_accumulation_dtype(xp, query, key, value)
     if batch_shape is None:
         batch_shape = _checks.leading_shape(query, key, value)
     allowed = additive = None

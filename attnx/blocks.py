@@ -180,9 +180,7 @@ def attend_block(
             f"got {_checks.shape_of(key)}"
         )
     _checks.leading_shape(query, key, value, "attend_block")
-    compute = state_dtype(xp, query.dtype)
-    if query.dtype != compute:
-        query, key, value = (xp.astype(a, compute) for a in (query, key, value))
+    compute, (query, key, value) = _checks.in_accumulation_dtype(xp, query, key, value)
     rows, cols = query.shape[-2], key.shape[-2]
     n, m = scores_shape if scores_shape is not None else (rows, cols)
     (r0, c0), device = offset, _checks.device_of(query)

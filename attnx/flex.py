@@ -671,10 +671,7 @@ def _flex_generic(
         return scores, allowed, None
 
     if return_weights:
-        q, k, v = grouped
-        compute = _checks.accumulation_dtype(xp, dtype)
-        if compute != dtype:
-            q, k, v = (xp.astype(a, compute) for a in (q, k, v))
+        compute, (q, k, v) = _checks.in_accumulation_dtype(xp, *grouped)
         scores, allowed, _ = tile_scores(
             (q * scale) @ xp.matrix_transpose(k), None, (0, n), (0, m), block_mask is not None
         )

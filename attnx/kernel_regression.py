@@ -192,12 +192,11 @@ def _in_state_dtype(xp: Any, queries: Any, keys: Any, values: Any, bandwidth: An
     """The arguments in the dtype the states are computed in: float32 for
     half precision, whose squared distances overflow past 256 (a query far
     from every key would get zeros, not its nearest key's value)."""
-    compute = blocks.state_dtype(xp, queries.dtype)
-    if queries.dtype == compute:
-        return queries, keys, values, bandwidth
-    if not isinstance(bandwidth, float):  # a 0-d array
+    dtype = queries.dtype
+    compute, (queries, keys, values) = _checks.in_accumulation_dtype(xp, queries, keys, values)
+    if compute != dtype and not isinstance(bandwidth, float):  # a 0-d array, with inputs of half precision
         bandwidth = xp.astype(bandwidth, compute)
-    return (*(xp.astype(a, compute) for a in (queries, keys, values)), bandwidth)
+    return queries, keys, values, bandwidth
 
 
 def _kernel_values(xp: Any, queries: Any, keys: Any, kernel: Any, bandwidth: Any) -> tuple[Any, bool]:
