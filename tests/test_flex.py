@@ -70,3 +70,29 @@ def test_a_block_mask_is_drawn_block_by_block():
         attnx.plot.block_mask(block_mask, head=2)
     with pytest.raises(TypeError, match=r"head must be an integer, got 1\.0"):
         attnx.plot.block_mask(block_mask, head=1.0)
+
+
+def test_rows_of_blocks_join_into_steps_while_the_block_holds_them():
+    """One head of 2048 queries in blocks of 128 under a sliding window: a
+    row of blocks holds 128 x 256 scores, far below a block (4 MiB shared by
+    the threads), so rows join into steps of up to 512 queries, each step's
+    mask evaluated once, and never fewer steps than threads.  A budget of 64
+    bytes keeps one row of blocks (two key blocks, apart) a step."""
+    n, rows = 2048, 16
+    threads = attnx._registry.get("numpy").concurrent_blocks
+    evaluated = []
+
+    def counted_window(b, h, q_idx, kv_idx):
+        evaluated.append(q_idx.shape)
+        return mods.sliding_window(128)(b, h, q_idx, kv_idx)
+
+    block_mask = attnx.create_block_mask(counted_window, None, None, n, n)
+    query = np.random.default_rng(0).standard_normal((1, 1, n, 16)).astype(np.float32)
+    evaluated.clear()
+    joined = attnx.flex_attention(query, query, query, block_mask=block_mask)
+    assert len(evaluated) == min(rows, max(4, threads))
+    evaluated.clear()
+    with attnx.memory_budget(64):
+        one_row = attnx.flex_attention(query, query, query, block_mask=block_mask)
+    assert len(evaluated) == 2 * rows - 1
+    np.testing.assert_allclose(joined, one_row, atol=1e-6)
