@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from typing import Any
 
 from attnx._registry import registry
 from attnx._tracing import run_at_trace_time
@@ -90,17 +91,18 @@ def user_memory_budget() -> int | None:
     return _context_budget.get() or _process_budget
 
 
-def get_memory_budget(backend: str | Backend | None = None) -> int:
+def get_memory_budget(backend: str | Backend | None = None, device: Any = None) -> int:
     """The memory budget in force, in bytes: the one set with
     :func:`memory_budget` or :func:`set_memory_budget`, else the default of
     ``backend`` (a name or a :class:`Backend`; the current backend when
-    None), its :attr:`~attnx.Backend.block_bytes`."""
+    None) for arrays on ``device``: its
+    :meth:`~attnx.Backend.block_bytes_on` (512 MiB for PyTorch's CUDA
+    tensors, 4 MiB for its CPU ones)."""
     budget = user_memory_budget()
     if budget is not None:
         return budget
-    if backend is None:
-        return current_backend()[0].block_bytes
-    return (registry.get(backend) if isinstance(backend, str) else backend).block_bytes
+    chosen = current_backend()[0] if backend is None else registry.get(backend) if isinstance(backend, str) else backend
+    return chosen.block_bytes_on(device)
 
 
 def _budget(operation: str, nbytes: int) -> int:

@@ -119,6 +119,7 @@ def scaled_dot_product_attention(
         if is_causal:
             _checks.require_known(_SDPA, "is_causal", {"query": query, "key": key})
     scale, batch_shape, n, m = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
+    block_bytes = chosen.block_bytes_on(_checks.device_of(query))
     chunks = choose_chunks(
         xp,
         query.dtype,
@@ -129,7 +130,7 @@ def scaled_dot_product_attention(
         return_weights,
         is_causal,
         chosen.concurrent_blocks,
-        chosen.block_bytes,
+        block_bytes,
     )
     arguments = {
         "query": query,
@@ -157,7 +158,7 @@ def scaled_dot_product_attention(
         {
             "map_blocks": chosen.map_blocks,
             "concurrent_blocks": chosen.concurrent_blocks,
-            "block_bytes": chosen.block_bytes,
+            "block_bytes": block_bytes,
         }
         if chunks is not None
         else None,
@@ -191,7 +192,8 @@ def choose_chunks(
     plain algorithm: ``chunk_size`` if given, else chunks when the scores of
     all slices would exceed the memory budget, or when ``concurrent_blocks``
     workers can share them (at least :data:`PARALLEL_SCORES` scores).
-    ``block_bytes`` is the backend's (:attr:`attnx.Backend.block_bytes`).
+    ``block_bytes`` is the backend's for the arrays' device
+    (:meth:`attnx.Backend.block_bytes_on`).
 
     The plan is per slice: a block's scores are ``query_chunk x key_chunk``
     for each slice it holds, and :func:`attnx._tiling.slices_per_block` says how many

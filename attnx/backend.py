@@ -14,7 +14,15 @@ from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any
 
-__all__ = ["Backend", "device_label"]
+__all__ = ["GPU_BLOCK_BYTES", "Backend", "device_label"]
+
+#: Bytes of scores in one block of the chunked algorithms on a GPU.  Each
+#: block costs some 40 kernel launches, about 1 ms of Python and the array
+#: library whatever its size: with a CPU's 4 MiB blocks an H100 waited on
+#: them (CuPy: 200 ms for a (1, 8, 8192, 64) call that takes 10 ms in one
+#: block).  From 512 MiB the calls measured were within 4% of 1 GiB blocks
+#: (bench/RESULTS.md, "GPU").
+GPU_BLOCK_BYTES = 512 * 2**20
 
 
 def device_label(device: Any) -> str:
@@ -64,7 +72,9 @@ class Backend:
     #: the memory budget for scores where the user set none
     #: (:func:`attnx.set_memory_budget`).  4 MiB keeps a CPU's blocks in its
     #: cache; a GPU backend sets more, since every block costs it some dozens
-    #: of kernel launches whatever its size (CuPy: 512 MiB).
+    #: of kernel launches whatever its size (CuPy: :data:`GPU_BLOCK_BYTES`).
+    #: A backend whose arrays live on devices of both kinds says so per
+    #: device in :meth:`block_bytes_on`.
     block_bytes: int = 4 * 2**20
 
     _xp: ModuleType | None = None
@@ -107,6 +117,13 @@ class Backend:
                 if device_kind(device_label(candidate)) == device:
                     return candidate
         return device
+
+    def block_bytes_on(self, device: Any) -> int:
+        """Bytes of scores one block holds for arrays on ``device`` (an
+        array's own device, as :func:`array_api_compat.device` gives it, or
+        None for the default): :attr:`block_bytes` unless overridden.  The
+        PyTorch backend gives CUDA tensors :data:`GPU_BLOCK_BYTES`."""
+        return self.block_bytes
 
     # -- arrays -----------------------------------------------------------
     def namespace(self) -> ModuleType:

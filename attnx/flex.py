@@ -302,7 +302,8 @@ def create_block_mask(
     mask_batch, mask_heads = probe.shape[:2]  # 1 where the mod does not depend on b or h
     # Tiles of whole blocks, their mask within the memory budget (a mod's
     # integer intermediates take 8 bytes an element).
-    elements = max(q_block * kv_block, _tiling.memory_budget(chosen.block_bytes) // 8 // (mask_batch * mask_heads))
+    block_bytes = chosen.block_bytes_on(_checks.device_of(probe))
+    elements = max(q_block * kv_block, _tiling.memory_budget(block_bytes) // 8 // (mask_batch * mask_heads))
     cols = min(m, max(kv_block, elements // q_block // kv_block * kv_block))
     rows = min(n, max(q_block, elements // cols // q_block * q_block))
     row_kinds = []
@@ -672,6 +673,7 @@ def _flex_generic(
     # Broadcast, not the largest: a batch of 0 against key/value's 1 is 0.
     batch = _checks.broadcast(_FLEX, {"query": (batch_size,), "key": key.shape[:1], "value": value.shape[:1]})[0]
     device, dtype = _checks.device_of(query), query.dtype
+    block_bytes = backend.block_bytes_on(device)
     if 0 in (batch, heads, n, m):  # nothing to compute (a reduction over nothing is undefined: Dask's fails)
         output = xp.zeros((batch, heads, n, d_v), dtype=dtype, device=device)
         return (output, xp.zeros((batch, heads, n, m), dtype=dtype, device=device)) if return_weights else output
@@ -708,9 +710,7 @@ def _flex_generic(
             output, weights = xp.astype(output, dtype), xp.astype(weights, dtype)
         return output, weights
     if block_mask is None or block_mask._plan is None:
-        chunks = choose_chunks(
-            xp, dtype, n, m, batch_shape, None, False, False, backend.concurrent_blocks, backend.block_bytes
-        )
+        chunks = choose_chunks(xp, dtype, n, m, batch_shape, None, False, False, backend.concurrent_blocks, block_bytes)
         query_chunk, key_chunk = chunks if chunks is not None else (n, m)
         masked = block_mask is not None  # kinds unknown (traced, lazy): every tile masked
 
@@ -718,7 +718,7 @@ def _flex_generic(
             return _tiling.split(0, m, key_chunk, masked)
     else:
         q_block, kv_block = block_mask.block_size
-        block = _tiling.bytes_per_block(backend.concurrent_blocks, backend.block_bytes)
+        block = _tiling.bytes_per_block(backend.concurrent_blocks, block_bytes)
         slice_bytes = _tiling.itemsize(xp, dtype) * math.prod(batch_shape)  # a score of every slice
 
         def step_keys(rows_per_step: int) -> int:
@@ -758,7 +758,7 @@ def _flex_generic(
         tile_scores=tile_scores,
         map_blocks=backend.map_blocks,
         concurrent_blocks=backend.concurrent_blocks,
-        block_bytes=backend.block_bytes,
+        block_bytes=block_bytes,
         scores_may_mask=score_mod is not None,
     )
     return xp.reshape(output, (batch, heads, n, d_v))

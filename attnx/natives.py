@@ -128,17 +128,34 @@ def aligned_lengths(
 
 
 def planned_chunks(
-    backend: Backend, dtype: Any, n: int, m: int, batch_shape: tuple[int, ...], *, is_causal: bool = False
+    backend: Backend,
+    dtype: Any,
+    n: int,
+    m: int,
+    batch_shape: tuple[int, ...],
+    *,
+    is_causal: bool = False,
+    device: Any = None,
 ) -> tuple[int, int] | None:
     """``(query_chunk, key_chunk)``: the blocks of one (batch, head) slice
     that attnx plans for a call of these sizes on ``backend``, or None where
     its scores fit the memory budget in force and ``backend``'s blocks
     would not share them among its :attr:`~attnx.Backend.concurrent_blocks`.
+    ``device``: the arrays' (:meth:`~attnx.Backend.block_bytes_on`).
 
     The ``chunks`` a native receives when the user gave no ``chunk_size``;
     a plan (:meth:`attnx.Backend.specialize`) asks again at each call,
     since the memory budget may change between them.
     """
     return choose_chunks(
-        backend.xp, dtype, n, m, batch_shape, None, False, is_causal, backend.concurrent_blocks, backend.block_bytes
+        backend.xp,
+        dtype,
+        n,
+        m,
+        batch_shape,
+        None,
+        False,
+        is_causal,
+        backend.concurrent_blocks,
+        backend.block_bytes_on(device),
     )

@@ -6,18 +6,14 @@ import importlib.util
 from typing import Any
 
 from attnx import Backend, hookimpl
+from attnx.backend import GPU_BLOCK_BYTES
 
 
 class CuPyBackend(Backend):
     name = "cupy"
     array_module = "cupy"
     float_dtypes = ("float32", "float64", "float16")
-    #: Each block of the chunked algorithm costs some 40 kernel launches,
-    #: about 1 ms of Python and CuPy whatever its size: with the CPU's 4 MiB
-    #: blocks an H100 waited on them (200 ms for a (1, 8, 8192, 64) call
-    #: that takes 10 ms in one block).  From 512 MiB blocks the calls measured
-    #: were within 4% of 1 GiB ones (bench/RESULTS.md, "GPU").
-    block_bytes = 512 * 2**20
+    block_bytes = GPU_BLOCK_BYTES  # a GPU's blocks: launches, not cache, set their size
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("cupy") is None:

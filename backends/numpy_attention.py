@@ -174,7 +174,7 @@ def scaled_dot_product_attention(
         return _attend_small(query, key, value, scale, is_causal)
     masks = CallMasks(mask, key_lengths, batch_shape, n, m) if masked else None
     d_v = value.shape[-1]
-    threads, budget = backend.concurrent_blocks, get_memory_budget(backend)
+    threads, budget = backend.concurrent_blocks, get_memory_budget(backend, "cpu")
     # Queries within a thread's share of the budget are scaled once, here: a
     # task that begins with a short NumPy call hands the GIL to a worker just
     # woken, and waits some 40 us to have it back (on this project's VMs).

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from attnx import Backend, hookimpl, natives
+from attnx.backend import GPU_BLOCK_BYTES
 
 
 class TorchBackend(Backend):
@@ -40,6 +41,11 @@ class TorchBackend(Backend):
 
         cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
         return ["cpu", *cuda]
+
+    def block_bytes_on(self, device: Any) -> int:
+        # CUDA's blocks are launch-bound as CuPy's are; other devices keep
+        # the CPU's cache-sized blocks (none other was measured).
+        return GPU_BLOCK_BYTES if str(device).startswith("cuda") else self.block_bytes  # "cuda:0", torch.device
 
     def namespace(self) -> Any:
         import array_api_compat.torch

@@ -7,6 +7,9 @@
 # There (PyTorch, CuPy and JAX come with the machine's image):
 #     bash bench/gpu_session.sh          # SDPA timed, then the three suites
 #     bash bench/gpu_session.sh family   # the family's other operations timed, and SDPA in float16
+#     bash bench/gpu_session.sh checks   # bench/gpu_checks.py (with Dask on CuPy), then the three suites
+# The checks' Dask travels as wheels too:
+#     pip download --no-deps -d .whl dask==2026.8.0 partd==1.4.2 locket==1.0.0
 # Logs and the benchmark's report go to $OUT; the figures are written up in
 # bench/RESULTS.md ("GPU") and conformance/RESULTS.md.
 set -u
@@ -17,6 +20,7 @@ export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 # JAX takes 75% of the GPU per process unless told not to, and multiplies
 # float32 matrices in TF32 unless told otherwise (conformance/RESULTS.md).
 export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest
+REPO=$PWD
 # An empty folder, so the suite is the installed one, as a user runs it.
 cd "$(mktemp -d)" || exit 1
 {
@@ -47,9 +51,14 @@ if [ "${1:-}" = family ]; then
 fi
 
 # The GPU to itself while it is timed: the benchmark first, then the suites.
-# Two runs, so that a run cut short keeps the first's report.
-bench bench-512-2048 --sizes 512 2048 --baselines torch-sdpa jax-sdpa
-bench bench-8192 --sizes 8192 --baselines torch-sdpa jax-sdpa
+if [ "${1:-}" = checks ]; then
+    timeout "${BENCH_SECONDS:-170}" python3 "$REPO/bench/gpu_checks.py" dask-cupy >"$OUT/checks.log" 2>&1
+    echo "checks: exit $? after $((SECONDS - start)) s"
+else
+    # Two runs, so that a run cut short keeps the first's report.
+    bench bench-512-2048 --sizes 512 2048 --baselines torch-sdpa jax-sdpa
+    bench bench-8192 --sizes 8192 --baselines torch-sdpa jax-sdpa
+fi
 
 start=$SECONDS
 suite() {  # backend, seconds, workers, then any options for it

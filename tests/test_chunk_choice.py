@@ -103,3 +103,47 @@ def test_the_default_budget_is_the_backends():
     assert attnx.get_memory_budget(Wide()) == 2**30
     with attnx.memory_budget(2**20):
         assert attnx.get_memory_budget(Wide()) == attnx.get_memory_budget() == 2**20
+
+
+def test_pytorch_s_cuda_tensors_get_a_gpu_s_blocks():
+    """One backend, two kinds of device: CUDA tensors' blocks are launch-bound
+    as CuPy's, the CPU's stay cache-sized (no GPU is needed to ask)."""
+    torch = pytest.importorskip("torch")
+    from attnx.backend import GPU_BLOCK_BYTES
+
+    assert attnx.get_memory_budget("torch") == attnx.get_memory_budget("torch", torch.device("cpu")) == BLOCK_BYTES
+    for device in ("cuda:0", torch.device("cuda", 1)):
+        assert attnx.get_memory_budget("torch", device) == GPU_BLOCK_BYTES
+    with attnx.memory_budget(2**20):
+        assert attnx.get_memory_budget("torch", "cuda:0") == 2**20
+
+
+def test_the_generic_algorithms_plan_on_the_arrays_device(monkeypatch):
+    """flex_attention's steps, create_block_mask's tiles and the attention's
+    chunks follow the block size the backend gives the arrays' device."""
+    numpy_backend = attnx._registry.get("numpy")
+    asked = []
+
+    def block_bytes_on(device):
+        asked.append(device)
+        return 64
+
+    evaluated = []
+
+    def counted_causal(b, h, q_idx, kv_idx):
+        evaluated.append(q_idx.shape)
+        return q_idx >= kv_idx
+
+    n = 1024
+    query = np.zeros((1, 1, n, 8), dtype=np.float32)
+    wide = attnx.create_block_mask(counted_causal, None, None, n, n)
+    made_in = len(evaluated)
+    monkeypatch.setattr(numpy_backend, "block_bytes_on", block_bytes_on)
+    assert len(attnx.create_block_mask(counted_causal, None, None, n, n).kinds) and len(evaluated) > 2 * made_in
+    evaluated.clear()
+    attnx.flex_attention(query, query, query, block_mask=wide)
+    assert len(evaluated) == n // 128  # one row of blocks a step: its diagonal block masked
+    assert set(asked) == {"cpu"}
+    asked.clear()
+    attnx.scaled_dot_product_attention(query, query, query, is_causal=True)
+    assert asked == ["cpu", "cpu"]  # the attention's plan, then the NumPy native's budget
