@@ -222,12 +222,15 @@ def lengths_mask(
     m: int,
     rows: Span | None = None,
     cols: Span | None = None,
+    positions: Any = None,
 ) -> Any:
     """Boolean mask broadcastable to ``(*batch_shape, n, m)`` (or to the block
-    ``rows x cols``): keys ``j < length``."""
+    ``rows x cols``): keys ``j < length``.  ``positions``: the keys' ``j``,
+    made by the caller (``arange`` of the columns by default)."""
     lengths = aligned_lengths(xp, key_lengths, batch_shape, n, rows)
-    c0, c1 = cols or (0, m)
-    positions = xp.arange(c0, c1, device=device_of(key_lengths), dtype=key_lengths.dtype)
+    if positions is None:
+        c0, c1 = cols or (0, m)
+        positions = xp.arange(c0, c1, device=device_of(key_lengths), dtype=key_lengths.dtype)
     return positions < lengths
 
 

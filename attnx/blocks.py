@@ -244,13 +244,17 @@ def finish(state: Any, *, dtype: Any = None, xp: Any = None) -> Any:
     return output if dtype is None or output.dtype == dtype else xp.astype(output, dtype)
 
 
-def lengths_mask(key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int, *, xp: Any = None) -> Any:
+def lengths_mask(
+    key_lengths: Any, batch_shape: tuple[int, ...], n: int, m: int, *, xp: Any = None, positions: Any = None
+) -> Any:
     """``key_lengths``, in any layout :func:`attnx.scaled_dot_product_attention`
     accepts, as a boolean mask broadcastable to ``(*batch_shape, n, m)``
     (``True`` for keys ``j < length``): for backends that cut the masks into
-    blocks with the scores."""
+    blocks with the scores.  ``positions``, shape ``(m,)``: the keys' ``j``
+    where the namespace's ``arange`` would not make them of the lengths'
+    kind (Dask's ``arange`` makes NumPy chunks, whatever the lengths' are)."""
     xp = xp or array_namespace(key_lengths)
-    return _masking.lengths_mask(xp, key_lengths, tuple(batch_shape), n, m)
+    return _masking.lengths_mask(xp, key_lengths, tuple(batch_shape), n, m, positions=positions)
 
 
 def state_dtype(xp: Any, dtype: Any) -> Any:

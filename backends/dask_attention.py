@@ -54,7 +54,12 @@ def scaled_dot_product_attention(
         key, value = (a.rechunk({ndim - 2: key_chunk}) for a in (key, value))
     value = value.rechunk({ndim - 1: -1})
     arguments: list[Any] = [query, (*batch, "i", "k"), key, (*batch, "j", "k"), value, (*batch, "j", "e")]
-    masks = [] if key_lengths is None else [blocks.lengths_mask(key_lengths, batch_shape, n, m)]
+    masks = []
+    if key_lengths is not None:
+        # The keys' positions in chunks of the lengths' own type (CuPy's on
+        # GPU workers): the namespace's arange would make NumPy chunks.
+        positions = da.arange(m, chunks=(key.chunks[-2],), like=da.utils.meta_from_array(key_lengths))
+        masks.append(blocks.lengths_mask(key_lengths, batch_shape, n, m, positions=positions))
     masks += [] if mask is None else [mask]
     for one in masks:
         arguments += [_leading_axes(one, ndim), (*batch, "i", "j")]

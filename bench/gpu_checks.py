@@ -1,24 +1,24 @@
 """The GPU items of ``bench/RESULTS.md`` ("For the next lent GPU"), timed in
 one process against baselines measured in the same run.
 
-    python bench/gpu_checks.py            # on a machine with CUDA, CuPy and PyTorch
-    python bench/gpu_checks.py dask-cupy  # also Dask arrays of CuPy chunks (needs dask)
+    python bench/gpu_checks.py [window] [family]   # on a machine with CUDA, CuPy and PyTorch
 
 Each row is :func:`attnx.benchmark.run_case`, as ``attnx bench`` times it
 (the median of at least 5 synchronised calls and 0.25 s, and the peak
 memory); a baseline is the same case under the memory budget that gives
 the plan attnx made before the change measured:
 
-- flex_attention on CuPy, a causal sliding window of 256 keys: rows of
+- flex_attention on CuPy, a causal sliding window of 256 keys (``window``): rows of
   blocks joined into steps (the default) against one row of blocks a step
   (a budget of one row's scores, 128 x 384 keys x 8 heads x 4 bytes);
 - flex_attention on PyTorch's CUDA tensors in float64 (attnx's own tiles:
   PyTorch's compiled flex takes no float64): the GPU's blocks against the
   CPU's 4 MiB;
-- multi-head and additive attention on PyTorch's CUDA tensors and on CuPy.
+- multi-head and additive attention on PyTorch's CUDA tensors and on CuPy
+  (``family``).
 
-With ``dask-cupy`` it also computes attnx's operations on Dask arrays whose
-chunks are CuPy arrays, against the same operations on the CuPy arrays.
+The window's anchor is PyTorch's compiled FlexAttention, in the same run.
+Dask arrays of CuPy chunks are checked by ``tests/test_dask_cupy.py``.
 """
 
 from __future__ import annotations
@@ -60,67 +60,35 @@ def ratio(line: dict[str, Any], baseline: dict[str, Any]) -> None:
         print(f"  {line['row']}: {line['median_ms'] / baseline['median_ms']:.3f}x {baseline['row']}", flush=True)
 
 
-def timings() -> None:
-    cuda = "cuda:0"
-    window = dict(operation="sliding_window", batch=1, heads=8, n=8192, head_dim=64, device=cuda, repeat=10)
-    joined = row("cupy window, joined rows", Case("attnx:cupy", **window))
-    one_row = row("cupy window, one row a step", Case("attnx:cupy", **window), ONE_ROW_BYTES)
+CUDA = "cuda:0"
+
+
+def window() -> None:
+    shape = dict(operation="sliding_window", batch=1, heads=8, n=8192, head_dim=64, device=CUDA, repeat=10)
+    anchor = row("torch-flex-compiled window", Case("torch-flex-compiled", **shape))
+    on_torch = row("torch window (PyTorch's compiled flex)", Case("attnx:torch", **shape))
+    joined = row("cupy window, joined rows", Case("attnx:cupy", **shape))
+    one_row = row("cupy window, one row a step", Case("attnx:cupy", **shape), ONE_ROW_BYTES)
+    for line in (on_torch, joined, one_row):
+        ratio(line, anchor)
     ratio(joined, one_row)
-    gpu = row("torch float64 window, GPU blocks", Case("attnx:torch", dtype="float64", **window))
-    cpu = row("torch float64 window, CPU blocks", Case("attnx:torch", dtype="float64", **window), 4 * MiB)
+    gpu = row("torch float64 window, GPU blocks", Case("attnx:torch", dtype="float64", **shape))
+    cpu = row("torch float64 window, CPU blocks", Case("attnx:torch", dtype="float64", **shape), 4 * MiB)
     ratio(gpu, cpu)
+
+
+def family() -> None:
     for operation in ("multi_head_attention", "additive_attention"):
         for n in (2048, 8192):
-            shape = dict(operation=operation, batch=1, heads=8, n=n, head_dim=64, device=cuda, repeat=10)
+            shape = dict(operation=operation, batch=1, heads=8, n=n, head_dim=64, device=CUDA, repeat=10)
             on_torch = row(f"torch {operation} {n}", Case("attnx:torch", **shape))
             on_cupy = row(f"cupy {operation} {n}", Case("attnx:cupy", **shape))
             ratio(on_cupy, on_torch)
 
 
-def dask_cupy() -> None:
-    """attnx's operations on Dask arrays of CuPy chunks, against CuPy."""
-    import cupy as cp
-    import dask.array as da
-    import numpy as np
-
-    gen = np.random.default_rng(0)
-    q, k, v = (cp.asarray(gen.standard_normal((2, 4, 256, 32))) for _ in range(3))
-    lengths = cp.asarray([200, 256])
-    mask = cp.asarray(gen.random((256, 256)) < 0.8)
-    x = cp.asarray(gen.standard_normal((2, 3, 64)))
-    weight = cp.asarray(gen.standard_normal((5, 3, 3)))
-
-    def lazy(array: Any) -> Any:
-        chunks = tuple(max(1, size // 2) for size in array.shape)
-        return da.from_array(array, chunks=chunks, asarray=False)
-
-    cases = {
-        "sdpa": (lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v), (q, k, v)),
-        "sdpa causal": (lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v)),
-        "sdpa key_lengths": (
-            lambda q, k, v, n: attnx.scaled_dot_product_attention(q, k, v, key_lengths=n),
-            (q, k, v, lengths),
-        ),
-        "sdpa boolean mask": (lambda q, k, v, m: attnx.scaled_dot_product_attention(q, k, v, mask=m), (q, k, v, mask)),
-        "sdpa weights": (
-            lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, return_weights=True)[1],
-            (q, k, v),
-        ),
-        "nadaraya_watson": (lambda q, k, v: attnx.nadaraya_watson(q[0, 0], k[0, 0], v[0, 0]), (q, k, v)),
-        "causal_conv1d": (lambda x, w: attnx.causal_conv1d(x, w, dilation=2), (x, weight)),
-    }
-    for name, (function, arrays) in cases.items():
-        try:
-            expected = cp.asnumpy(function(*arrays))
-            result = function(*(lazy(a) for a in arrays))
-            computed = result.compute()
-            error = float(np.max(np.abs(cp.asnumpy(computed) - expected)))
-            print(json.dumps({"dask-cupy": name, "chunk type": type(computed).__module__, "max_error": error}))
-        except Exception as exc:  # each case reports, none stops the others
-            print(json.dumps({"dask-cupy": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}))
-
-
 if __name__ == "__main__":
-    timings()
-    if "dask-cupy" in sys.argv[1:]:
-        dask_cupy()
+    stages = sys.argv[1:] or ["window", "family"]
+    if "window" in stages:
+        window()
+    if "family" in stages:
+        family()
