@@ -19,9 +19,13 @@ from attnx._registry import registry
 def device_of(array: Any) -> Any:
     """The device an array lives on, for any array API library: its
     ``.device`` (the standard's attribute, read directly so torch.compile
-    traces it without warnings), else array-api-compat's answer."""
+    traces it without warnings), else its backend's answer
+    (:meth:`attnx.Backend.device_of`: a Dask array's chunks' kind)."""
     device = getattr(array, "device", None)
-    return device if device is not None else array_api_compat.device(array)
+    if device is not None:
+        return device
+    owner = registry.owner_of(array)
+    return owner.device_of(array) if owner is not None else array_api_compat.device(array)
 
 
 def namespace_of(array: Any) -> Any:

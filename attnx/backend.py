@@ -147,6 +147,17 @@ class Backend:
         module = type(array).__module__.partition(".")[0]
         return module == self.array_module
 
+    def device_of(self, array: Any) -> Any:
+        """The device of one of this backend's arrays that has no ``.device``
+        attribute, as the namespace's creation functions take it in
+        ``device=`` (attnx makes every array with the device of the arrays
+        it goes with): array-api-compat's answer by default.  The Dask
+        backend answers the kind of the array's chunks, so that the arrays
+        attnx makes hold CuPy chunks where the inputs do."""
+        from array_api_compat import device
+
+        return device(array)
+
     def asarray(self, obj: Any, *, dtype: Any = None, device: Any = None) -> Any:
         """Convert ``obj`` (a NumPy array, a nested sequence, a scalar) to this
         backend's array type, with ``dtype`` given by name or as a dtype."""

@@ -49,9 +49,13 @@ class DaskBackend(Backend):
         return version("dask")
 
     def namespace(self) -> Any:
-        import array_api_compat.dask.array
+        # array-api-compat's, with creations that follow the chunks' kind
+        from attnx_backends import dask_namespace
 
-        return array_api_compat.dask.array
+        return dask_namespace
+
+    def device_of(self, array: Any) -> Any:
+        return self.xp.device(array)  # the kind of its chunks: "cpu", or CuPy's
 
     @property
     def chunks(self) -> int | str:

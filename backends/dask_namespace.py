@@ -1,0 +1,87 @@
+"""The Dask backend's array namespace: array-api-compat's, with creation
+functions that make chunks of the kind ``device=`` names.
+
+For attnx a Dask array's device is the kind of its chunks: ``"cpu"`` for
+NumPy's, :class:`Chunks` for any other (CuPy's, on GPU workers).  attnx's
+algorithms make every array with the ``device=`` of the arrays it goes with,
+so what they make holds the chunks of their inputs; Dask's own ``arange``,
+``zeros`` and the like make NumPy chunks, which CuPy refuses.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import array_api_compat.dask.array as _compat
+import dask.array as _da
+from array_api_compat import array_namespace as _array_namespace
+from array_api_compat.dask.array import *  # noqa: F403
+from array_api_compat.dask.array import __array_api_version__, __array_namespace_info__  # noqa: F401
+
+__all__ = [*_compat.__all__, "Chunks", "device"]
+
+
+class Chunks:
+    """The device of a Dask array whose chunks are not NumPy arrays: an
+    empty chunk of their kind (``meta``), equal for every array of it."""
+
+    def __init__(self, meta: Any) -> None:
+        self.meta = meta
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Chunks) and type(other.meta) is type(self.meta)
+
+    def __hash__(self) -> int:
+        return hash(type(self.meta))
+
+    def __repr__(self) -> str:
+        kind = type(self.meta)
+        return f"Chunks({kind.__module__}.{kind.__name__})"
+
+
+def device(array: Any) -> Any:
+    """``"cpu"`` for an array of NumPy chunks, else its :class:`Chunks`."""
+    meta = _da.utils.meta_from_array(array)
+    return "cpu" if type(meta).__module__.partition(".")[0] == "numpy" else Chunks(meta)
+
+
+def _chunks_of(device: Any, kwargs: dict[str, Any], keyword: str) -> Any:
+    """``device`` for array-api-compat, the chunks' kind moved to ``keyword``."""
+    if isinstance(device, Chunks):
+        kwargs[keyword] = device.meta
+        return None
+    return device
+
+
+def arange(
+    start: Any, /, stop: Any = None, step: Any = 1, *, dtype: Any = None, device: Any = None, **kwargs: Any
+) -> Any:
+    device = _chunks_of(device, kwargs, "like")
+    return _compat.arange(start, stop, step, dtype=dtype, device=device, **kwargs)
+
+
+def zeros(shape: Any, *, dtype: Any = None, device: Any = None, **kwargs: Any) -> Any:
+    device = _chunks_of(device, kwargs, "meta")
+    return _compat.zeros(shape, dtype=dtype, device=device, **kwargs)
+
+
+def ones(shape: Any, *, dtype: Any = None, device: Any = None, **kwargs: Any) -> Any:
+    device = _chunks_of(device, kwargs, "meta")
+    return _compat.ones(shape, dtype=dtype, device=device, **kwargs)
+
+
+def empty(shape: Any, *, dtype: Any = None, device: Any = None, **kwargs: Any) -> Any:
+    device = _chunks_of(device, kwargs, "meta")
+    return _compat.empty(shape, dtype=dtype, device=device, **kwargs)
+
+
+def full(shape: Any, fill_value: Any, *, dtype: Any = None, device: Any = None, **kwargs: Any) -> Any:
+    device = _chunks_of(device, kwargs, "meta")
+    return _compat.full(shape, fill_value, dtype=dtype, device=device, **kwargs)
+
+
+def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: Any = None, **kwargs: Any) -> Any:
+    if isinstance(device, Chunks) and not isinstance(obj, _da.Array):
+        # A value of the chunks' own library, in one chunk.
+        return _da.from_array(_array_namespace(device.meta).asarray(obj, dtype=dtype), asarray=False)
+    return _compat.asarray(obj, dtype=dtype, device=device, copy=copy, **kwargs)
