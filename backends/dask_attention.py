@@ -19,6 +19,7 @@ from array_api_compat import array_namespace
 
 from attnx import blocks
 from attnx.kernel_regression import kernel_state
+from attnx_backends import dask_namespace
 
 #: Index names of the leading (batch, head, ...) axes in ``dask.array.blockwise``.
 _BATCH = string.ascii_uppercase
@@ -56,9 +57,9 @@ def scaled_dot_product_attention(
     arguments: list[Any] = [query, (*batch, "i", "k"), key, (*batch, "j", "k"), value, (*batch, "j", "e")]
     masks = []
     if key_lengths is not None:
-        # The keys' positions in chunks of the lengths' own type (CuPy's on
-        # GPU workers): the namespace's arange would make NumPy chunks.
-        positions = da.arange(m, chunks=(key.chunks[-2],), like=da.utils.meta_from_array(key_lengths))
+        # The keys' positions in chunks of the lengths' own kind (CuPy's on
+        # GPU workers), cut as the keys are.
+        positions = dask_namespace.arange(m, device=dask_namespace.device(key_lengths), chunks=(key.chunks[-2],))
         masks.append(blocks.lengths_mask(key_lengths, batch_shape, n, m, positions=positions))
     masks += [] if mask is None else [mask]
     for one in masks:

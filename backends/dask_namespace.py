@@ -14,9 +14,11 @@ from typing import Any
 
 import array_api_compat.dask.array as _compat
 import dask.array as _da
+import numpy as _np
 from array_api_compat import array_namespace as _array_namespace
 from array_api_compat.dask.array import *  # noqa: F403
 from array_api_compat.dask.array import __array_api_version__, __array_namespace_info__  # noqa: F401
+from dask.base import tokenize as _tokenize
 
 __all__ = [*_compat.__all__, "Chunks", "device"]
 
@@ -45,43 +47,56 @@ def device(array: Any) -> Any:
     return "cpu" if type(meta).__module__.partition(".")[0] == "numpy" else Chunks(meta)
 
 
-def _chunks_of(device: Any, kwargs: dict[str, Any], keyword: str) -> Any:
-    """``device`` for array-api-compat, the chunks' kind moved to ``keyword``."""
-    if isinstance(device, Chunks):
-        kwargs[keyword] = device.meta
-        return None
-    return device
+def _of_kind(device: Any, dtype: Any, default: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``device`` and ``dtype`` for array-api-compat, a :class:`Chunks`
+    device moved to ``meta=`` in ``kwargs``: Dask then makes chunks like the
+    meta, of the meta's dtype unless told, so the dtype is always told."""
+    if not isinstance(device, Chunks):
+        return device, dtype
+    dtype = default if dtype is None else dtype
+    kwargs["meta"] = _da.utils.meta_from_array(device.meta, dtype=dtype)
+    return None, dtype
 
 
 def arange(
     start: Any, /, stop: Any = None, step: Any = 1, *, dtype: Any = None, device: Any = None, **kwargs: Any
 ) -> Any:
-    device = _chunks_of(device, kwargs, "like")
-    return _compat.arange(start, stop, step, dtype=dtype, device=device, **kwargs)
+    if not isinstance(device, Chunks):
+        return _compat.arange(start, stop, step, dtype=dtype, device=device, **kwargs)
+    # Moved chunk by chunk, not made with ``like=``: Dask names an arange by
+    # its numbers alone (2026.8), so one of CuPy chunks and one of NumPy's
+    # would share a name, and one set of chunks, in a graph holding both.
+    numbers = _compat.arange(start, stop, step, dtype=dtype, **kwargs)
+    meta = _da.utils.meta_from_array(device.meta, ndim=1, dtype=numbers.dtype)
+    return numbers.map_blocks(_array_namespace(device.meta).asarray, dtype=numbers.dtype, meta=meta)
 
 
 def zeros(shape: Any, *, dtype: Any = None, device: Any = None, **kwargs: Any) -> Any:
-    device = _chunks_of(device, kwargs, "meta")
+    device, dtype = _of_kind(device, dtype, _compat.float64, kwargs)
     return _compat.zeros(shape, dtype=dtype, device=device, **kwargs)
 
 
 def ones(shape: Any, *, dtype: Any = None, device: Any = None, **kwargs: Any) -> Any:
-    device = _chunks_of(device, kwargs, "meta")
+    device, dtype = _of_kind(device, dtype, _compat.float64, kwargs)
     return _compat.ones(shape, dtype=dtype, device=device, **kwargs)
 
 
 def empty(shape: Any, *, dtype: Any = None, device: Any = None, **kwargs: Any) -> Any:
-    device = _chunks_of(device, kwargs, "meta")
+    device, dtype = _of_kind(device, dtype, _compat.float64, kwargs)
     return _compat.empty(shape, dtype=dtype, device=device, **kwargs)
 
 
 def full(shape: Any, fill_value: Any, *, dtype: Any = None, device: Any = None, **kwargs: Any) -> Any:
-    device = _chunks_of(device, kwargs, "meta")
+    # The array API's dtype of a Python fill value: bool, int64 or float64.
+    device, dtype = _of_kind(device, dtype, _np.asarray(fill_value).dtype, kwargs)
     return _compat.full(shape, fill_value, dtype=dtype, device=device, **kwargs)
 
 
 def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: Any = None, **kwargs: Any) -> Any:
     if isinstance(device, Chunks) and not isinstance(obj, _da.Array):
-        # A value of the chunks' own library, in one chunk.
-        return _da.from_array(_array_namespace(device.meta).asarray(obj, dtype=dtype), asarray=False)
+        # A value of the chunks' own library, in one chunk, named by its
+        # kind too (an equal NumPy value must not share its name).
+        value = _array_namespace(device.meta).asarray(obj, dtype=dtype)
+        name = f"asarray-{type(value).__module__}-{_tokenize(obj, dtype)}"
+        return _da.from_array(value, asarray=False, name=name)
     return _compat.asarray(obj, dtype=dtype, device=device, copy=copy, **kwargs)

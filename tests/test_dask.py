@@ -165,3 +165,29 @@ def test_kernel_regression_with_no_query_or_no_key(queries, keys):
     q, k = np.linspace(0, 1, queries), np.linspace(0, 1, keys)
     lazy = attnx.nadaraya_watson(da.from_array(q, chunks=2), da.from_array(k, chunks=2), da.from_array(k, chunks=2))
     np.testing.assert_array_equal(lazy.compute(), attnx.nadaraya_watson(q, k, k))
+
+
+def test_the_namespace_makes_chunks_of_the_kind_its_device_names():
+    """For a Dask array of CuPy chunks the device is ``Chunks(meta)``, and
+    the namespace's creations take it (the values: tests/test_dask_cupy.py
+    on a GPU).  Here the kind is NumPy's own, through the same code: each
+    creation keeps its values, names its arrays apart from the NumPy ones
+    (Dask names an arange by its numbers alone, whatever ``like=`` asks),
+    and takes ``chunks=``."""
+    from attnx_backends import dask_namespace as xp
+
+    kind = xp.Chunks(np.empty((0,), dtype=np.float32))
+    assert kind == xp.Chunks(np.empty((0, 0))) and repr(kind) == "Chunks(numpy.ndarray)"
+    assert xp.device(da.ones(3)) == "cpu" and attnx._checks.device_of(da.ones(3)) == "cpu"
+    made = {
+        "arange": (xp.arange(2, 7, device=kind, chunks=2), xp.arange(2, 7, device="cpu", chunks=2), np.arange(2, 7)),
+        "zeros": (xp.zeros((2, 3), device=kind), xp.zeros((2, 3), device="cpu"), np.zeros((2, 3))),
+        "ones": (xp.ones(4, dtype=xp.int8, device=kind), xp.ones(4, dtype=xp.int8, device="cpu"), np.ones(4, np.int8)),
+        "full": (xp.full(2, -np.inf, device=kind), xp.full(2, -np.inf, device="cpu"), np.full(2, -np.inf)),
+        "asarray": (xp.asarray(1.5, device=kind), xp.asarray(1.5, device="cpu"), np.asarray(1.5)),
+    }
+    for name, (of_kind, of_numpy, expected) in made.items():
+        assert of_kind.name != of_numpy.name, name
+        np.testing.assert_array_equal(of_kind.compute(), expected)
+        assert of_kind.dtype == expected.dtype, name
+    assert made["arange"][0].chunks == ((2, 2, 1),)
