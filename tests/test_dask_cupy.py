@@ -65,6 +65,10 @@ CASES = {
         ),
         "q k v query_lengths",
     ),
+    "sdpa key_lengths per query": (
+        lambda q, k, v, query_lengths: attnx.scaled_dot_product_attention(q, k, v, key_lengths=query_lengths),
+        "q k v query_lengths",
+    ),
     "sdpa weights": (
         lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, return_weights=True)[1],
         "q k v",
@@ -92,11 +96,21 @@ CASES = {
     ),
     "causal_conv1d": (lambda signal, weight: attnx.causal_conv1d(signal, weight, dilation=2), "signal weight"),
     "apply_rotary": (lambda q: attnx.apply_rotary(q), "q"),
+    "flex_attention, sliding window": (
+        lambda q, k, v: attnx.flex_attention(q, k, v, block_mask=_window(q)),
+        "q k v",
+    ),
     "flex_attention, soft cap": (
         lambda q, k, v: attnx.flex_attention(q, k, v, attnx.mods.soft_cap(5.0)),
         "q k v",
     ),
 }
+
+
+def _window(query):
+    """A sliding window's block mask, made on the query's backend."""
+    backend = "dask" if isinstance(query, da.Array) else "cupy"
+    return attnx.create_block_mask(attnx.mods.sliding_window(8), None, None, 64, 64, block_size=16, backend=backend)
 
 
 def _params(name):
