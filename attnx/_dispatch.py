@@ -64,7 +64,7 @@ def resolve(
             owner, owner_name, owner_array = found, name, array
         elif found is owner:
             if kind in registry._multi_device_types:
-                _require_same_device(operation, owner_name, owner_array, name, array)
+                _require_same_device(operation, owner, owner_name, owner_array, name, array)
         else:
             raise TypeError(
                 f"{operation}: inputs come from two backends: {owner_name} is a {owner.name!r} "
@@ -116,15 +116,21 @@ def _require_listed_device(operation: str, backend: Backend, reason: str, device
         )
 
 
-def _require_same_device(operation: str, first_name: str, first: Any, name: str, array: Any) -> None:
-    # ``.device`` is the standard's attribute.  Arrays without one, or whose
-    # device is unknown while they are traced (JAX's tracers), agree with all.
-    first_device, device = getattr(first, "device", None), getattr(array, "device", None)
+def _require_same_device(operation: str, owner: Backend, first_name: str, first: Any, name: str, array: Any) -> None:
+    # ``.device`` is the standard's attribute; arrays without one have their
+    # backend's word for it (a Dask array's: the kind of its chunks).  Those
+    # whose device is unknown while they are traced (JAX's tracers) agree with all.
+    first_device, device = _device(owner, first), _device(owner, array)
     if device != first_device and device is not None and first_device is not None:
         raise ValueError(
             f"{operation}: inputs lie on two devices: {first_name} on {first_device} but {name} on {device}; "
             f"move one with attnx.asarray(x, device=...)"
         )
+
+
+def _device(owner: Backend, array: Any) -> Any:
+    device = getattr(array, "device", None)
+    return device if device is not None or hasattr(array, "device") else owner.device_of(array)
 
 
 def call(

@@ -54,9 +54,6 @@ class DaskBackend(Backend):
 
         return dask_namespace
 
-    def device_of(self, array: Any) -> Any:
-        return self.xp.device(array)  # the kind of its chunks: "cpu", or CuPy's
-
     @property
     def chunks(self) -> int | str:
         """How :meth:`asarray` chunks new arrays: ``$ATTNX_DASK_CHUNKS``
@@ -68,22 +65,49 @@ class DaskBackend(Backend):
             raise ValueError(f"${CHUNKS_ENV} must be 'auto' or a positive integer, got {value!r}")
         return int(value)
 
+    def devices(self) -> list[Any]:
+        # The kinds of chunks its arrays hold: NumPy's, and CuPy's where a
+        # GPU is there (listed as "cupy"; see dask_namespace).
+        kinds: list[Any] = ["cpu"]
+        if importlib.util.find_spec("cupy") is not None:
+            try:
+                import cupy
+
+                if cupy.cuda.runtime.getDeviceCount() > 0:
+                    kinds.append(self.xp.Chunks(cupy.empty(0)))
+            except Exception:  # CUDARuntimeError without a driver: NumPy's chunks alone
+                pass
+        return kinds
+
+    def device_of(self, array: Any) -> Any:
+        return self.xp.device(array)  # the kind of its chunks: "cpu", or CuPy's
+
     def asarray(self, obj: Any, *, dtype: Any = None, device: Any = None) -> Any:
         import dask.array as da
         import numpy
 
+        chunks = self.chunks
+        if isinstance(device, self.xp.Chunks):  # chunks of another library: CuPy's
+            if isinstance(obj, da.Array):
+                obj = obj.compute()
+            from array_api_compat import array_namespace
+
+            data = array_namespace(device.meta).asarray(obj, dtype=dtype)
+            return da.from_array(data, chunks=chunks if data.ndim else (), asarray=False)
         if device not in (None, "cpu"):
-            raise ValueError(f"the dask backend makes arrays on the 'cpu' device only, got {device!r}")
+            labels = ", ".join(str(kind) for kind in self.devices())
+            raise ValueError(f"the dask backend makes arrays of {labels} chunks, got device={device!r}")
         if isinstance(obj, da.Array):
             return obj if dtype is None else obj.astype(dtype)
         data = numpy.asarray(obj, dtype=dtype)
-        chunks = self.chunks
         return da.from_array(data, chunks=chunks if data.ndim else ())
 
     def to_numpy(self, array: Any) -> Any:
         import numpy
+        from array_api_compat import to_device
 
-        return numpy.asarray(array.compute() if hasattr(array, "compute") else array)
+        computed = array.compute() if hasattr(array, "compute") else array
+        return numpy.asarray(to_device(computed, "cpu"))  # CuPy chunks come to the host
 
     def computations(self) -> contextlib.AbstractContextManager[list[Any]]:
         return _computations()

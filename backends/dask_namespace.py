@@ -40,6 +40,10 @@ class Chunks:
         kind = type(self.meta)
         return f"Chunks({kind.__module__}.{kind.__name__})"
 
+    def __str__(self) -> str:
+        """The chunks' library, as ``attnx backends`` lists the device: ``"cupy"``."""
+        return type(self.meta).__module__.partition(".")[0]
+
 
 def device(array: Any) -> Any:
     """``"cpu"`` for an array of NumPy chunks, else its :class:`Chunks`."""

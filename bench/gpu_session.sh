@@ -58,6 +58,10 @@ if [ "${1:-}" = checks ]; then
     timeout 120 python3 -m pytest "$REPO/tests/test_dask_cupy.py" -rA -p no:cacheprovider --rootdir "$REPO" \
         -c /dev/null >"$OUT/dask-cupy.log" 2>&1
     echo "dask on cupy: exit $? after $((SECONDS - start)) s: $(tail -n 1 "$OUT/dask-cupy.log")"
+    # The whole conformance suite on Dask arrays of CuPy chunks.
+    timeout "${DASK_SUITE_SECONDS:-180}" attnx conformance dask --device cupy -vv --tb=short -n 8 \
+        -p no:cacheprovider >"$OUT/conformance-dask-cupy.log" 2>&1
+    echo "conformance dask on cupy: exit $? after $((SECONDS - start)) s: $(tail -n 1 "$OUT/conformance-dask-cupy.log")"
     [ -n "${SKIP_SUITES:-}" ] && exit 0
 else
     # Two runs, so that a run cut short keeps the first's report.

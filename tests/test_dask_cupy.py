@@ -136,3 +136,21 @@ def test_dask_arrays_of_cupy_chunks_compute_what_cupy_does(case):
     computed = result.compute(scheduler="synchronous")  # a failing task's traceback reaches attnx's frames
     assert isinstance(computed, cp.ndarray), f"{case}: chunks of {type(computed).__module__}"
     np.testing.assert_allclose(cp.asnumpy(computed), cp.asnumpy(expected), rtol=1e-10, atol=1e-12)
+
+
+def test_dask_lists_cupy_chunks_as_a_device_and_makes_them():
+    """``device="cupy"`` of the Dask backend: arrays of CuPy chunks, made by
+    attnx.asarray as a user would, and brought back by attnx.to_numpy."""
+    assert "cupy" in [str(device) for device in attnx._registry.get("dask").devices()]
+    data = np.arange(6.0).reshape(2, 3)
+    lazy = attnx.asarray(data, backend="dask", device="cupy")
+    assert isinstance(lazy, da.Array) and isinstance(lazy.compute(), cp.ndarray)
+    np.testing.assert_array_equal(attnx.to_numpy(lazy), data)
+
+
+def test_chunks_of_two_kinds_are_refused_before_computing():
+    arrays = _arrays()
+    q, k, v = (_lazy(arrays[name]) for name in "qkv")
+    on_host = da.from_array(cp.asnumpy(arrays["mask"]), chunks=32)
+    with pytest.raises(ValueError, match=r"inputs lie on two devices: query on cupy but mask on cpu"):
+        attnx.scaled_dot_product_attention(q, k, v, mask=on_host)
