@@ -47,6 +47,16 @@ def namespace_of(array: Any) -> Any:
         return owner.xp
 
 
+def common_namespace(*arrays: Any) -> Any:
+    """The namespace of arrays that share one: their backend's (the Dask
+    backend's makes arrays of its inputs' chunks), else array-api-compat's
+    answer, which names the namespaces of arrays that mix them."""
+    xp = namespace_of(arrays[0])
+    if any(namespace_of(array) is not xp for array in arrays[1:]):
+        return array_api_compat.array_namespace(*arrays)
+    return xp
+
+
 def shape_of(array: Any) -> tuple[int, ...]:
     return tuple(array.shape)
 

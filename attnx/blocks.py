@@ -36,8 +36,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from array_api_compat import array_namespace
-
 from attnx import _checks, _masking
 
 __all__ = [
@@ -71,7 +69,7 @@ def from_scores(scores: Any, value: Any, *, allowed: Any = None, additive: Any =
     -------
     array, shape (..., n, d_v + 2)
     """
-    xp = xp or array_namespace(scores, value)
+    xp = xp or _checks.common_namespace(scores, value)
     _require_scores_and_values("from_scores", scores, value, "scores")
     if 0 in tuple(scores.shape):  # no query or no key: a maximum of nothing is undefined (Dask won't take one)
         leading, device = tuple(scores.shape[:-1]), _checks.device_of(scores)
@@ -86,7 +84,7 @@ def from_weights(weights: Any, value: Any, *, xp: Any = None) -> Any:
     """The state of non-negative ``weights`` (a kernel's, say, not yet
     normalised) over ``value``: as :func:`from_scores` of ``log(weights)``,
     without the logarithm.  Shapes as in :func:`from_scores`."""
-    xp = xp or array_namespace(weights, value)
+    xp = xp or _checks.common_namespace(weights, value)
     _require_scores_and_values("from_weights", weights, value, "weights")
     total = xp.sum(weights, axis=-1, keepdims=True)
     return pack(xp, weights @ value, total, xp.zeros_like(total))
@@ -171,7 +169,7 @@ def attend_block(
         A block wholly in the causal future is never multiplied: its state
         says that nothing was attended.
     """
-    xp = xp or array_namespace(query, key, value)
+    xp = xp or _checks.common_namespace(query, key, value)
     layouts = ("(..., rows, d_k)", "(..., cols, d_k)", "(..., cols, d_v)")
     _checks.require_query_key_value("attend_block", xp, query, key, value, layouts)
     if key.shape[-1] != query.shape[-1] and _checks.known(key.shape[-1], query.shape[-1]):
@@ -201,7 +199,7 @@ def attend_block(
 
 def combine(first: Any, second: Any, *, xp: Any = None) -> Any:
     """The state of the union of two disjoint sets of keys (broadcasting)."""
-    xp = xp or array_namespace(first, second)
+    xp = xp or _checks.common_namespace(first, second)
     _require_states("combine", {"first": first, "second": second})
     row_max = xp.maximum(first[..., -1:], second[..., -1:])
     shift = _masking.finite_shift(xp, row_max)
@@ -212,7 +210,7 @@ def combine(first: Any, second: Any, *, xp: Any = None) -> Any:
 def combine_along(states: Any, axis: int, *, keepdims: bool = False, xp: Any = None) -> Any:
     """The combined state of the states stacked along ``axis`` (not the
     last): a reduction, as for the partial results of a tree."""
-    xp = xp or array_namespace(states)
+    xp = xp or _checks.common_namespace(states)
     _require_states("combine_along", {"states": states})
     axis = _checks.require_int("combine_along", "axis", axis)
     if not -states.ndim <= axis < states.ndim:
@@ -238,7 +236,7 @@ def finish(state: Any, *, dtype: Any = None, xp: Any = None) -> Any:
     """The attention output ``(..., n, d_v)`` of a state: the weighted values
     over the sum of the weights (zeros where nothing was attended), in
     ``dtype`` (the state's by default)."""
-    xp = xp or array_namespace(state)
+    xp = xp or _checks.common_namespace(state)
     _require_states("finish", {"state": state})
     output = state[..., :-2] / _masking.nonzero_total(xp, state[..., -2:-1])
     return output if dtype is None or output.dtype == dtype else xp.astype(output, dtype)
@@ -253,7 +251,7 @@ def lengths_mask(
     blocks with the scores.  ``positions``, shape ``(m,)``: the keys' ``j``
     where the namespace's ``arange`` would not make them of the lengths'
     kind (Dask's ``arange`` makes NumPy chunks, whatever the lengths' are)."""
-    xp = xp or array_namespace(key_lengths)
+    xp = xp or _checks.common_namespace(key_lengths)
     return _masking.lengths_mask(xp, key_lengths, tuple(batch_shape), n, m, positions=positions)
 
 

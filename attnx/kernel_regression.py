@@ -6,8 +6,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from array_api_compat import array_namespace
-
 from attnx import _checks, _dispatch, _masking, blocks
 
 __all__ = ["KERNELS", "finish_state", "kernel_state", "nadaraya_watson"]
@@ -59,7 +57,10 @@ def nadaraya_watson(
     values : array, shape (m,) or (m, d_v)
     kernel : {"gaussian", "boxcar", "epanechnikov"} or callable
         A callable receives the scaled distances ``u`` (an array, ``>= 0``)
-        and returns non-negative kernel values of the same shape.
+        and returns non-negative kernel values of the same shape.  It may
+        be called on the chunks of a lazy backend's arrays (Dask's: NumPy
+        or CuPy arrays), so it takes its functions from ``u``
+        (``array_api_compat.array_namespace(u)``) or its operators.
     bandwidth : float or 0-d array
         ``b > 0``.  An array of the inputs' backend may carry gradients: with
         the gaussian kernel and ``bandwidth = 1/w`` this is the learned-width
@@ -225,7 +226,7 @@ def kernel_state(
     array, shape (n, d_v + 2), with ``d_v = 1`` for values of shape ``(m,)``
         In float32 for inputs of half precision (:func:`attnx.blocks.state_dtype`).
     """
-    xp = xp or array_namespace(queries, keys, values)
+    xp = xp or _checks.common_namespace(queries, keys, values)
     queries, keys, values, bandwidth = _in_state_dtype(xp, queries, keys, values, bandwidth)
     kernel_values, is_log = _kernel_values(xp, queries, keys, kernel, bandwidth)
     columns = values if values.ndim == 2 else values[:, None]
@@ -239,5 +240,5 @@ def kernel_state(
 def finish_state(state: Any, values: Any, *, dtype: Any = None, xp: Any = None) -> Any:
     """The estimate of a :func:`kernel_state`: ``(n, d_v)``, or ``(n,)`` for
     values of shape ``(m,)``, in ``dtype`` (the state's by default)."""
-    estimate = blocks.finish(state, dtype=dtype, xp=xp or array_namespace(state))
+    estimate = blocks.finish(state, dtype=dtype, xp=xp or _checks.common_namespace(state))
     return estimate if values.ndim == 2 else estimate[:, 0]

@@ -96,6 +96,12 @@ def full(shape: Any, fill_value: Any, *, dtype: Any = None, device: Any = None, 
     return _compat.full(shape, fill_value, dtype=dtype, device=device, **kwargs)
 
 
+def clip(x: Any, /, min: Any = None, max: Any = None) -> Any:
+    # Dask's own elementwise clip keeps the chunks' kind; array-api-compat's
+    # makes its bounds as NumPy chunks.
+    return x if min is None and max is None else _da.clip(x, min, max)
+
+
 def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: Any = None, **kwargs: Any) -> Any:
     if isinstance(device, Chunks) and not isinstance(obj, _da.Array):
         # A value of the chunks' own library, in one chunk, named by its

@@ -141,9 +141,10 @@ OPERATIONS = {
 
 
 def _convert(value, like):
-    # Parameters made on NumPy go to the backend of the inputs.
+    # Parameters made on NumPy go to the backend and device of the inputs
+    # (a Dask array's device: the kind of its chunks).
     backend = attnx._registry.owner_of(like).name
-    return attnx.asarray(attnx.to_numpy(value), backend=backend)
+    return attnx.asarray(attnx.to_numpy(value), backend=backend, device=attnx._checks.device_of(like))
 
 
 @pytest.mark.attnx_operation("lazy")

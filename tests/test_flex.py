@@ -96,3 +96,30 @@ def test_rows_of_blocks_join_into_steps_while_the_block_holds_them():
         one_row = attnx.flex_attention(query, query, query, block_mask=block_mask)
     assert len(evaluated) == 2 * rows - 1
     np.testing.assert_allclose(joined, one_row, atol=1e-6)
+
+
+def test_mods_are_probed_once_per_call_signature():
+    """The checks that try a mod on a 2 x 2 tile before the work (a
+    score_mod; a mask_mod whose block mask broadcasts over batch or heads)
+    run once for each size, dtype and device: each cost some 160 us a call
+    on PyTorch's tensors, more on CUDA's."""
+    calls = {"score": 0, "mask": 0}
+
+    def counted_cap(score, b, h, q_idx, kv_idx):
+        calls["score"] += 1
+        return mods.soft_cap(20.0)(score, b, h, q_idx, kv_idx)
+
+    def counted_window(b, h, q_idx, kv_idx):
+        calls["mask"] += 1
+        return mods.sliding_window(4)(b, h, q_idx, kv_idx)
+
+    block_mask = attnx.create_block_mask(counted_window, None, None, 8, 8, block_size=4)
+    query = np.random.default_rng(0).standard_normal((2, 4, 8, 2)).astype(np.float32)
+    counts = []
+    for inputs in (query, query, query[:1], query.astype(np.float64)):
+        calls.update(score=0, mask=0)
+        attnx.flex_attention(inputs, inputs, inputs, counted_cap, block_mask)
+        counts.append((calls["score"], calls["mask"]))
+    first, again, fewer_entries, float64 = counts
+    assert again == (first[0] - 1, first[1] - 1)  # the probes alone are skipped
+    assert fewer_entries[0] == first[0] and float64[0] == first[0]  # new sizes, a new dtype: probed again
