@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
-from attnx import _checks, _dispatch, _masking, _params
+from attnx import _checks, _dispatch, _masking, _params, _tiling
 
 __all__ = ["additive_attention", "bahdanau_context"]
 
 _ADD = "additive_attention"
-#: Elements of the (..., chunk, m, h) tanh intermediate held at once.
-CHUNK_ELEMENTS = 1 << 22
 
 
 def additive_attention(
@@ -50,8 +49,10 @@ def additive_attention(
 
     Notes
     -----
-    The ``(..., n, m, h)`` intermediate is never held whole: queries are
-    processed in chunks of at most :data:`CHUNK_ELEMENTS` elements.
+    The ``(..., n, m, h)`` intermediate is never held whole: queries go in
+    chunks whose ``(..., chunk, m, h)`` part fits one block of the backend
+    (:meth:`attnx.Backend.block_bytes_on` the inputs' device, within the
+    memory budget: 4 MiB on the CPU, 512 MiB on a GPU), one query at least.
 
     Native implementations (:meth:`attnx.Backend.implementations`) are
     called with the keyword arguments ``query``, ``key``, ``value``,
@@ -81,6 +82,7 @@ def additive_attention(
             "key_lengths": key_lengths,
             "return_weights": return_weights,
         },
+        {"block_bytes": chosen.block_bytes_on(_checks.device_of(query))},
     )
 
 
@@ -120,15 +122,24 @@ def check_additive(
     )
 
 
-def additive_scores(xp: Any, query: Any, key: Any, params: Mapping[str, Any]) -> Any:
-    """``tanh(q W_q + k W_k) w_v`` as ``(..., n, m)``, in query chunks."""
+def additive_scores(
+    xp: Any, query: Any, key: Any, params: Mapping[str, Any], block_bytes: int = _tiling.BLOCK_BYTES
+) -> Any:
+    """``tanh(q W_q + k W_k) w_v`` as ``(..., n, m)``, in chunks of queries
+    whose ``(..., chunk, m, h)`` intermediate, every slice's, fits one block
+    (:func:`attnx._tiling.bytes_per_block`): as many launches as a GPU's
+    blocks need, and a CPU's intermediate within its memory budget."""
     q = query @ params["w_q"]  # (..., n, h)
     k = key @ params["w_k"]  # (..., m, h)
     n, m, hidden = q.shape[-2], k.shape[-2], q.shape[-1]
     w_v = params["w_v"]
     if n == 0:
         return xp.zeros((*q.shape[:-2], 0, m), dtype=q.dtype, device=_checks.device_of(q))
-    step = max(1, CHUNK_ELEMENTS // max(1, m * hidden))
+    # Sizes unknown (Dask, after a selection) count as 1: the chunks are then
+    # planned on the known sizes alone.
+    sizes = [size for size in (*_checks.leading_shape(q, k, k), m, hidden) if _checks.known(size)]
+    per_query = _tiling.itemsize(xp, q.dtype) * max(1, math.prod(sizes))
+    step = max(1, _tiling.bytes_per_block(1, block_bytes) // per_query)
     k = k[..., None, :, :]
     chunks = [
         xp.sum(xp.tanh(q[..., start : min(start + step, n), None, :] + k) * w_v, axis=-1) for start in range(0, n, step)
@@ -146,13 +157,14 @@ def _additive_generic(
     mask: Any,
     key_lengths: Any,
     return_weights: bool,
+    block_bytes: int = _tiling.BLOCK_BYTES,
 ) -> Any:
     # Half precision in float32, as attention: a float16 sum over 65,504 keys is inf.
     dtype = query.dtype
     compute, (query, key, value) = _checks.in_accumulation_dtype(xp, query, key, value)
     if compute != dtype:
         params = {name: xp.astype(array, compute) for name, array in params.items()}
-    scores = additive_scores(xp, query, key, params)
+    scores = additive_scores(xp, query, key, params, block_bytes)
     batch_shape = _checks.leading_shape(query, key, value)
     allowed, additive = _masking.combine(
         xp,
@@ -232,7 +244,14 @@ def bahdanau_context(
         "key_lengths": key_lengths,
         "return_weights": return_weights,
     }
-    result = _dispatch.call(_ADD, chosen, reason, _additive_generic, arguments)
+    result = _dispatch.call(
+        _ADD,
+        chosen,
+        reason,
+        _additive_generic,
+        arguments,
+        {"block_bytes": chosen.block_bytes_on(_checks.device_of(query))},
+    )
     if return_weights:
         return result[0][..., 0, :], result[1][..., 0, :]
     return result[..., 0, :]

@@ -57,7 +57,7 @@ def test_half_precision_is_computed_in_float32(attnx_backend):
         assert_close(output, values.mean(axis=0, keepdims=True), be, dtype)
 
 
-def test_masks_and_chunking(attnx_backend, monkeypatch):
+def test_masks_and_chunking(attnx_backend):
     be = attnx_backend
     arrays, exact = make(be, "float64", (2, 9, 3), (2, 6, 5), 4, 7, seed=1)
     params = {n: arrays[n] for n in ("w_q", "w_k", "w_v")}
@@ -65,16 +65,17 @@ def test_masks_and_chunking(attnx_backend, monkeypatch):
     mask = rng(31).random((9, 6)) < 0.7
     allowed = reference.allowed_mask(9, 6, batch_shape=(2,), key_lengths=lengths, mask=mask)
     expected, expected_w = reference.additive_attention(exact["q"], exact["k"], exact["v"], exact, allowed)
-    monkeypatch.setattr(attnx.additive, "CHUNK_ELEMENTS", 6 * 7 * 2)  # two queries per chunk
-    out, w = attnx.additive_attention(
-        arrays["q"],
-        arrays["k"],
-        arrays["v"],
-        params,
-        mask=be.array(mask),
-        key_lengths=be.array(lengths),
-        return_weights=True,
-    )
+    # Two queries a chunk: 2 slices x 6 keys x h = 7 in float64, twice.
+    with attnx.memory_budget(2 * 2 * 6 * 7 * 8):
+        out, w = attnx.additive_attention(
+            arrays["q"],
+            arrays["k"],
+            arrays["v"],
+            params,
+            mask=be.array(mask),
+            key_lengths=be.array(lengths),
+            return_weights=True,
+        )
     assert_close(out, expected, be, "float64")
     assert_close(w, expected_w, be, "float64")
 

@@ -119,8 +119,9 @@ def test_pytorch_s_cuda_tensors_get_a_gpu_s_blocks():
 
 
 def test_the_generic_algorithms_plan_on_the_arrays_device(monkeypatch):
-    """flex_attention's steps, create_block_mask's tiles and the attention's
-    chunks follow the block size the backend gives the arrays' device."""
+    """flex_attention's steps, create_block_mask's tiles, the attention's
+    chunks and additive attention's follow the block size the backend gives
+    the arrays' device."""
     numpy_backend = attnx._registry.get("numpy")
     asked = []
 
@@ -147,3 +148,7 @@ def test_the_generic_algorithms_plan_on_the_arrays_device(monkeypatch):
     asked.clear()
     attnx.scaled_dot_product_attention(query, query, query, is_causal=True)
     assert asked == ["cpu", "cpu"]  # the attention's plan, then the NumPy native's budget
+    asked.clear()
+    params = {"w_q": np.ones((8, 3), np.float32), "w_k": np.ones((8, 3), np.float32), "w_v": np.ones(3, np.float32)}
+    attnx.additive_attention(query[0], query[0], query[0], params)
+    assert asked == ["cpu"]  # its chunks of queries

@@ -98,3 +98,27 @@ def test_a_repeated_call_allocates_its_output_and_little_more(monkeypatch, query
     assert peak <= out.nbytes + 64 * 1024, f"{(peak - out.nbytes) / 1024:.0f} KiB beside the output"
     expected, _ = reference.scaled_dot_product_attention(q, k, v)
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_additive_attention_holds_one_block_of_its_intermediate():
+    """Additive attention holds its (..., n, m) scores and weights whole,
+    but of the (..., chunk, m, h) tanh intermediate only one block: for
+    every slice of the batch (4 x 1024 x 1024 x 64 float32 is 1 GiB; a
+    chunk of 4 queries is 4 MiB), where chunks once counted one slice (145
+    MiB at its peak here)."""
+    gen = np.random.default_rng(0)
+    batch, n, width, hidden = 4, 1024, 32, 64
+    x = gen.standard_normal((batch, n, width)).astype(np.float32)
+    params = {
+        "w_q": gen.standard_normal((width, hidden)).astype(np.float32),
+        "w_k": gen.standard_normal((width, hidden)).astype(np.float32),
+        "w_v": gen.standard_normal(hidden).astype(np.float32),
+    }
+    peak, out = peak_bytes(lambda: attnx.additive_attention(x, x, x, params))
+    scores = batch * n * n * 4
+    limit = 2 * scores + 2 * attnx.get_memory_budget()
+    assert peak <= limit, f"peak {peak / MiB:.1f} MiB over {limit / MiB:.0f} MiB"
+    q, k = x[0, :3].astype(np.float64) @ params["w_q"], x[0].astype(np.float64) @ params["w_k"]
+    weights = np.exp(np.tanh(q[:, None, :] + k[None, :, :]) @ params["w_v"])
+    expected = weights / weights.sum(-1, keepdims=True) @ x[0].astype(np.float64)
+    np.testing.assert_allclose(out[0, :3], expected, rtol=1e-4, atol=1e-5)
