@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from attnx import Backend, hookimpl
+from attnx.backend import GPU_BLOCK_BYTES
 
 
 class JaxBackend(Backend):
@@ -55,6 +56,12 @@ class JaxBackend(Backend):
         import jax
 
         return list(jax.devices())
+
+    def block_bytes_on(self, device: Any) -> int:
+        # A GPU's blocks, as CuPy's and PyTorch's CUDA tensors' (bench/RESULTS.md,
+        # "GPU"): under jit every tile is traced into the program, so the
+        # CPU's 4 MiB would make thousands of ops of a long call.
+        return GPU_BLOCK_BYTES if getattr(device, "platform", None) in ("gpu", "cuda", "rocm") else self.block_bytes
 
     def namespace(self) -> Any:
         # jax.numpy implements the array API standard itself (array-api-compat

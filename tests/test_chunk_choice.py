@@ -118,6 +118,19 @@ def test_pytorch_s_cuda_tensors_get_a_gpu_s_blocks():
         assert attnx.get_memory_budget("torch", "cuda:0") == 2**20
 
 
+def test_jax_s_gpus_get_a_gpu_s_blocks():
+    """JAX's GPU devices (``platform`` "gpu") take a GPU's blocks, its CPU
+    devices the CPU's: read from the device, whatever the machine has."""
+    jax = pytest.importorskip("jax")
+    from attnx.backend import GPU_BLOCK_BYTES
+
+    class GpuDevice:  # the attribute JAX's CUDA devices carry
+        platform = "gpu"
+
+    assert attnx.get_memory_budget("jax", jax.devices("cpu")[0]) == BLOCK_BYTES
+    assert attnx.get_memory_budget("jax", GpuDevice()) == GPU_BLOCK_BYTES
+
+
 def test_the_generic_algorithms_plan_on_the_arrays_device(monkeypatch):
     """flex_attention's steps, create_block_mask's tiles, the attention's
     chunks and additive attention's follow the block size the backend gives
