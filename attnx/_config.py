@@ -96,8 +96,8 @@ def get_memory_budget(backend: str | Backend | None = None, device: Any = None) 
     :func:`memory_budget` or :func:`set_memory_budget`, else the default of
     ``backend`` (a name or a :class:`Backend`; the current backend when
     None) for arrays on ``device``: its
-    :meth:`~attnx.Backend.block_bytes_on` (512 MiB for PyTorch's CUDA
-    tensors, 4 MiB for its CPU ones)."""
+    :meth:`~attnx.Backend.block_bytes_on` (512 MiB for CuPy, PyTorch's CUDA
+    tensors and JAX's GPUs, 4 MiB on the CPU)."""
     budget = user_memory_budget()
     if budget is not None:
         return budget

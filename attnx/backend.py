@@ -122,7 +122,8 @@ class Backend:
         """Bytes of scores one block holds for arrays on ``device`` (an
         array's own device, as :func:`array_api_compat.device` gives it, or
         None for the default): :attr:`block_bytes` unless overridden.  The
-        PyTorch backend gives CUDA tensors :data:`GPU_BLOCK_BYTES`."""
+        PyTorch backend gives CUDA tensors :data:`GPU_BLOCK_BYTES`, and the
+        JAX backend its GPU devices."""
         return self.block_bytes
 
     # -- arrays -----------------------------------------------------------
