@@ -68,11 +68,9 @@ def additive_attention(
     xp = chosen.xp
     _checks.require_flag(_ADD, "return_weights", return_weights)
     check_additive(xp, query, key, value, params, mask, key_lengths)
-    return _dispatch.call(
-        _ADD,
+    return _call(
         chosen,
         reason,
-        _additive_generic,
         {
             "query": query,
             "key": key,
@@ -82,8 +80,14 @@ def additive_attention(
             "key_lengths": key_lengths,
             "return_weights": return_weights,
         },
-        {"block_bytes": chosen.block_bytes_on(_checks.device_of(query))},
     )
+
+
+def _call(chosen: Any, reason: str, arguments: dict[str, Any]) -> Any:
+    """The backend's native additive attention, else the generic one in
+    chunks of the block size of the query's device."""
+    block_bytes = chosen.block_bytes_on(_checks.device_of(arguments["query"]))
+    return _dispatch.call(_ADD, chosen, reason, _additive_generic, arguments, {"block_bytes": block_bytes})
 
 
 def check_additive(
@@ -244,14 +248,7 @@ def bahdanau_context(
         "key_lengths": key_lengths,
         "return_weights": return_weights,
     }
-    result = _dispatch.call(
-        _ADD,
-        chosen,
-        reason,
-        _additive_generic,
-        arguments,
-        {"block_bytes": chosen.block_bytes_on(_checks.device_of(query))},
-    )
+    result = _call(chosen, reason, arguments)
     if return_weights:
         return result[0][..., 0, :], result[1][..., 0, :]
     return result[..., 0, :]

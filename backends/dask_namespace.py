@@ -47,8 +47,8 @@ class Chunks:
 
 def device(array: Any) -> Any:
     """``"cpu"`` for an array of NumPy chunks, else its :class:`Chunks`."""
-    meta = _da.utils.meta_from_array(array)
-    return "cpu" if type(meta).__module__.partition(".")[0] == "numpy" else Chunks(meta)
+    kind = Chunks(_da.utils.meta_from_array(array))
+    return "cpu" if str(kind) == "numpy" else kind
 
 
 def _of_kind(device: Any, dtype: Any, default: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
