@@ -88,11 +88,14 @@ class DaskBackend(Backend):
 
         chunks = self.chunks
         if isinstance(device, self.xp.Chunks):  # chunks of another library: CuPy's
-            if isinstance(obj, da.Array):
-                obj = obj.compute()
             from array_api_compat import array_namespace
 
-            data = array_namespace(device.meta).asarray(obj, dtype=dtype)
+            to_kind = array_namespace(device.meta).asarray
+            if isinstance(obj, da.Array):  # moved chunk by chunk, lazily
+                obj = obj if dtype is None else obj.astype(dtype)
+                meta = da.utils.meta_from_array(device.meta, ndim=obj.ndim, dtype=obj.dtype)
+                return obj.map_blocks(to_kind, dtype=obj.dtype, meta=meta)
+            data = to_kind(obj, dtype=dtype)
             return da.from_array(data, chunks=chunks if data.ndim else (), asarray=False)
         if device not in (None, "cpu"):
             labels = ", ".join(str(kind) for kind in self.devices())

@@ -191,3 +191,17 @@ def test_the_namespace_makes_chunks_of_the_kind_its_device_names():
         np.testing.assert_array_equal(of_kind.compute(), expected)
         assert of_kind.dtype == expected.dtype, name
     assert made["arange"][0].chunks == ((2, 2, 1),)
+
+
+def test_a_dask_array_moves_to_another_chunk_kind_lazily():
+    """``attnx.asarray(x, backend="dask", device="cupy")`` of a Dask array
+    moves its chunks one by one when computed, never at the call (here the
+    kind is NumPy's own, through the same code)."""
+    from attnx_backends import dask_namespace as xp
+
+    backend = attnx._registry.get("dask")
+    lazy = da.from_array(np.arange(6.0).reshape(2, 3), chunks=1)
+    with backend.computations() as started:
+        moved = backend.asarray(lazy, dtype="float32", device=xp.Chunks(np.empty(0)))
+    assert started == [] and moved.dtype == np.float32 and moved.chunks == lazy.chunks
+    np.testing.assert_array_equal(moved.compute(), np.arange(6.0).reshape(2, 3))
