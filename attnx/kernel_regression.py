@@ -8,7 +8,7 @@ from typing import Any
 
 from attnx import _checks, _dispatch, _masking, blocks
 
-__all__ = ["KERNELS", "finish_state", "kernel_state", "nadaraya_watson"]
+__all__ = ["KERNELS", "finish_state", "kernel_state", "nadaraya_watson", "nearest_distance"]
 
 _NW = "nadaraya_watson"
 
@@ -76,6 +76,9 @@ def nadaraya_watson(
     Notes
     -----
     A query that no key reaches (compact kernels) gets zeros, never NaN.
+    With the gaussian, a query gets the value of its nearest key (the mean
+    of the nearest, where keys tie) as the bandwidth shrinks, however far
+    below the distances it goes: no scaled distance is squared.
 
     Native implementations (:meth:`attnx.Backend.implementations`) are
     called with the keyword arguments ``queries``, ``keys``, ``values``,
@@ -178,11 +181,8 @@ def _nadaraya_watson_generic(
         state = kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth, xp=xp)
         return finish_state(state, values, dtype=dtype, xp=xp)
     queries, keys, values, bandwidth = _in_state_dtype(xp, queries, keys, values, bandwidth)
-    kernel_values, is_log = _kernel_values(xp, queries, keys, kernel, bandwidth)
-    if is_log:
-        weights = _masking.softmax(xp, kernel_values)
-    else:
-        weights = kernel_values / _masking.safe_total(xp, kernel_values)
+    kernel_values, _ = _kernel_values(xp, queries, keys, kernel, bandwidth)
+    weights = kernel_values / _masking.safe_total(xp, kernel_values)
     estimate = weights @ values if values.ndim == 2 else xp.sum(weights * values, axis=-1)
     if estimate.dtype != dtype:
         estimate, weights = xp.astype(estimate, dtype), xp.astype(weights, dtype)
@@ -200,26 +200,94 @@ def _in_state_dtype(xp: Any, queries: Any, keys: Any, values: Any, bandwidth: An
     return queries, keys, values, bandwidth
 
 
-def _kernel_values(xp: Any, queries: Any, keys: Any, kernel: Any, bandwidth: Any) -> tuple[Any, bool]:
-    """The kernel ``(n, m)`` between queries and keys, and whether it is
-    given as its logarithm (the gaussian)."""
+def _distances(xp: Any, queries: Any, keys: Any, *, root: bool = True) -> Any:
+    """The distances ``(n, m)`` between queries and keys: absolute for
+    scalar keys, Euclidean for vectors (``root=False``: the vectors' squared
+    distances, for a minimum: the root, monotonic and correctly rounded,
+    may follow it exactly)."""
     if keys.ndim == 1:
-        u = xp.abs(queries[:, None] - keys[None, :]) / bandwidth
-    else:
-        difference = queries[:, None, :] - keys[None, :, :]
-        u = xp.sqrt(xp.sum(difference * difference, axis=-1)) / bandwidth
-    if kernel == "gaussian":
-        return _gaussian_log(xp, u), True
-    return (KERNELS[kernel](xp, u) if isinstance(kernel, str) else kernel(u)), False
+        return xp.abs(queries[:, None] - keys[None, :])
+    difference = queries[:, None, :] - keys[None, :, :]
+    total = xp.sum(difference * difference, axis=-1)
+    return xp.sqrt(total) if root else total
+
+
+def _gaussian_weights(xp: Any, distances: Any, bandwidth: Any, nearest: Any) -> Any:
+    """The gaussian ``exp(-(d / b)^2 / 2)`` over ``exp(-(nearest / b)^2 / 2)``,
+    ``nearest`` a distance of each row ``(n, 1)`` no larger than its own.
+
+    Taken as ``exp((nearest - d)(d + nearest) / (b sqrt 2)^2)``, dividing by
+    ``b sqrt 2`` twice, so that no scaled distance is squared: that square
+    overflows past the float range's root (1.8e19 in float32) for a query
+    far from every key in bandwidths, and a softmax of ``-inf`` everywhere
+    would give zeros where the nearest key's value is the exact estimate.
+    A key at the nearest distance weighs exactly 1; the row's largest
+    exponent is known, so no maximum is taken."""
+    width = bandwidth * math.sqrt(2.0)
+    exponent = (nearest - distances) * (distances + nearest)
+    if _masking.can_mutate(exponent):
+        exponent /= width
+        exponent /= width
+        return xp.exp(exponent)
+    return xp.exp(exponent / width / width)
+
+
+def _kernel_values(
+    xp: Any, queries: Any, keys: Any, kernel: Any, bandwidth: Any, nearest: Any = None
+) -> tuple[Any, Any]:
+    """The kernel ``(n, m)`` between queries and keys and, for the gaussian,
+    given over a constant of each row, the logarithm of that constant
+    ``(n, 1)``: ``-(nearest / b)^2 / 2`` with ``nearest`` the row's smallest
+    distance (this block's unless given); None for the other kernels."""
+    distances = _distances(xp, queries, keys)
+    if kernel != "gaussian":
+        u = distances / bandwidth
+        return (KERNELS[kernel](xp, u) if isinstance(kernel, str) else kernel(u)), None
+    if nearest is None:
+        nearest = xp.min(distances, axis=-1, keepdims=True) if keys.shape[0] else xp.zeros_like(distances[:, :1])
+    scaled = nearest / bandwidth
+    return _gaussian_weights(xp, distances, bandwidth, nearest), -0.5 * scaled * scaled
+
+
+def nearest_distance(queries: Any, keys: Any, *, xp: Any = None) -> Any:
+    """The distance ``(n,)`` from each query to its nearest key (``inf``
+    where there is no key), for :func:`kernel_state`'s ``nearest`` over
+    keys split into blocks: the minimum of the blocks' own."""
+    xp = xp or _checks.common_namespace(queries, keys)
+    compute, (queries, keys) = _checks.in_accumulation_dtype(xp, queries, keys)
+    if not keys.shape[0]:
+        return xp.full((queries.shape[0],), float("inf"), dtype=compute, device=_checks.device_of(queries))
+    nearest = xp.min(_distances(xp, queries, keys, root=False), axis=-1)
+    return nearest if keys.ndim == 1 else xp.sqrt(nearest)
 
 
 def kernel_state(
-    queries: Any, keys: Any, values: Any, *, kernel: Any = "gaussian", bandwidth: Any = 1.0, xp: Any = None
+    queries: Any,
+    keys: Any,
+    values: Any,
+    *,
+    kernel: Any = "gaussian",
+    bandwidth: Any = 1.0,
+    nearest: Any = None,
+    xp: Any = None,
 ) -> Any:
     """The partial state (:mod:`attnx.blocks`) of Nadaraya-Watson regression
     over some of the keys: states of disjoint keys combine, and
     :func:`finish_state` gives the estimate.  For backends that split the
     keys (a chunked training set); arguments as in :func:`nadaraya_watson`.
+
+    Parameters
+    ----------
+    nearest : array, shape (n,), optional
+        The gaussian's only: each query's :func:`nearest_distance` over all
+        the keys.  Without it the states hold the scores
+        ``-(d / b)^2 / 2`` themselves, which are ``-inf`` for a query farther
+        than about ``1.8e19`` bandwidths (float32; ``1.3e154`` in float64)
+        from every key of a block: one such state still finishes exactly,
+        but two of them combine to zeros.  With it the scores are taken
+        less ``-(nearest / b)^2 / 2``, which is finite for the nearest key,
+        and the states of the blocks combine exactly; states made with
+        ``nearest`` combine only with states made with the same.
 
     Returns
     -------
@@ -228,13 +296,19 @@ def kernel_state(
     """
     xp = xp or _checks.common_namespace(queries, keys, values)
     queries, keys, values, bandwidth = _in_state_dtype(xp, queries, keys, values, bandwidth)
-    kernel_values, is_log = _kernel_values(xp, queries, keys, kernel, bandwidth)
     columns = values if values.ndim == 2 else values[:, None]
-    return (
-        blocks.from_scores(kernel_values, columns, xp=xp)
-        if is_log
-        else blocks.from_weights(kernel_values, columns, xp=xp)
-    )
+    if nearest is not None:
+        nearest = xp.astype(nearest, queries.dtype)[:, None] if nearest.dtype != queries.dtype else nearest[:, None]
+    kernel_values, log_constant = _kernel_values(xp, queries, keys, kernel, bandwidth, nearest)
+    if log_constant is None:
+        return blocks.from_weights(kernel_values, columns, xp=xp)
+    if 0 in tuple(kernel_values.shape):  # no key: the state of nothing attended (maximum -inf)
+        return blocks.from_scores(kernel_values, columns, xp=xp)
+    # The gaussian's weights are over exp(log_constant): the state's maximum
+    # (blocks' scores) is that, or 0 for states over one shared ``nearest``.
+    total = xp.sum(kernel_values, axis=-1, keepdims=True)
+    maximum = xp.zeros_like(total) if nearest is not None else log_constant
+    return blocks.pack(xp, kernel_values @ columns, total, maximum)
 
 
 def finish_state(state: Any, values: Any, *, dtype: Any = None, xp: Any = None) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 from array_api_compat import array_namespace
 
 from attnx import blocks
-from attnx.kernel_regression import kernel_state
+from attnx.kernel_regression import kernel_state, nearest_distance
 from attnx_backends import dask_namespace
 
 #: Index names of the leading (batch, head, ...) axes in ``dask.array.blockwise``.
@@ -120,6 +120,22 @@ def nadaraya_watson(*, queries: Any, keys: Any, values: Any, kernel: Any, bandwi
     if not isinstance(bandwidth, float):  # a 0-d array
         arguments += [bandwidth, ()]
     compute = blocks.state_dtype(array_namespace(queries), queries.dtype)
+    with_nearest = kernel == "gaussian" and len(keys.chunks[0]) > 1
+    if with_nearest:  # states of key chunks that combine exactly, however far the keys (kernel_state's nearest)
+        nearest = da.blockwise(
+            _nearest_block,
+            ("i", "j"),
+            queries,
+            ("i", *features),
+            keys,
+            ("j", *features),
+            adjust_chunks={"j": 1},
+            concatenate=True,
+            dtype=compute,
+            meta=da.utils.meta_from_array(queries, ndim=2, dtype=compute),
+            token="attnx-nearest-key",
+        )
+        arguments += [nearest.min(axis=1), ("i",)]
     partials = da.blockwise(
         _kernel_block,
         ("i", "j", "e"),
@@ -131,15 +147,24 @@ def nadaraya_watson(*, queries: Any, keys: Any, values: Any, kernel: Any, bandwi
         token="attnx-nadaraya-watson-block",
         kernel=kernel,
         bandwidth=bandwidth if isinstance(bandwidth, float) else None,
+        with_nearest=with_nearest,
     )
     estimate = _finish(_combine_keys(partials, 1), queries.dtype)
     return estimate if values.ndim == 2 else estimate[:, 0]
 
 
-def _kernel_block(queries: Any, keys: Any, values: Any, *rest: Any, kernel: Any, bandwidth: float | None) -> Any:
+def _kernel_block(
+    queries: Any, keys: Any, values: Any, *rest: Any, kernel: Any, bandwidth: float | None, with_nearest: bool
+) -> Any:
+    rest = list(rest)
     if bandwidth is None:
-        (bandwidth,) = rest
-    return kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth)[:, None, :]
+        bandwidth = rest.pop(0)
+    nearest = rest.pop(0) if with_nearest else None
+    return kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth, nearest=nearest)[:, None, :]
+
+
+def _nearest_block(queries: Any, keys: Any) -> Any:
+    return nearest_distance(queries, keys)[:, None]
 
 
 def causal_conv1d(*, x: Any, weight: Any, bias: Any, stride: int, dilation: int) -> Any:

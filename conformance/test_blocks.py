@@ -13,7 +13,7 @@ import pytest
 
 import attnx
 from attnx import blocks
-from attnx.kernel_regression import finish_state, kernel_state
+from attnx.kernel_regression import finish_state, kernel_state, nearest_distance
 from attnx_conformance import reference
 from attnx_conformance.helpers import assert_close, rng, rounded
 
@@ -105,6 +105,24 @@ def test_kernel_states_over_split_training_data(attnx_backend):
         got = finish_state(blocks.combine(*states), y)
         expected = attnx.to_numpy(attnx.nadaraya_watson(queries, train_x, train_y, kernel=kernel, bandwidth=0.4))
         assert_close(got, expected, be, be.dtype("float64"))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # NumPy's, on the way to -inf
+def test_kernel_states_with_nearest_combine_past_the_float_range(attnx_backend):
+    """Split keys, every one farther than the float range allows in
+    bandwidths: the states made with each query's nearest distance over all
+    the keys combine to the nearest key's value; without it one state still
+    finishes to it."""
+    be = attnx_backend
+    train_x, train_y, queries = np.arange(8.0), np.arange(8.0) ** 2, np.array([0.2, 2.9, 4.5, 7.6])
+    x, y, q = _on(be, (train_x, train_y, queries))
+    expected = np.array([0.0, 9.0, 20.5, 49.0])  # 4.5: keys 4 and 5 tie
+    bandwidth = 1e-200 if be.dtype_name(x) == "float64" else 1e-30  # squares past 1e398 and 1e58
+    nearest = nearest_distance(q, x)
+    assert_close(nearest, np.array([0.2, 0.1, 0.5, 0.6]), be, be.dtype("float64"))
+    states = [kernel_state(q, x[a:b], y[a:b], bandwidth=bandwidth, nearest=nearest) for a, b in ((0, 3), (3, 8))]
+    assert_close(finish_state(blocks.combine(*states), y), expected, be, be.dtype("float64"))
+    assert_close(finish_state(kernel_state(q, x, y, bandwidth=bandwidth), y), expected, be, be.dtype("float64"))
 
 
 @pytest.mark.parametrize("layout", ["batch", "sequence", "query"])

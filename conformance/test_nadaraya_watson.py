@@ -89,6 +89,37 @@ def test_a_query_far_from_every_key_gets_the_nearest_key_s_value(attnx_backend):
             assert_close(estimate, expected, be, dtype)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # NumPy's, on the way to -inf
+@pytest.mark.parametrize("d", [None, 2])
+def test_a_bandwidth_past_the_float_range_gives_the_nearest_key_s_value(attnx_backend, d):
+    """The gaussian's limit as the bandwidth shrinks: the nearest key's value,
+    the mean of the nearest where keys tie.  Here every squared scaled
+    distance is past the float range (1e58 in float32, 1e398 in float64),
+    so a softmax of ``-(d / b)^2 / 2`` as written would see ``-inf``
+    everywhere."""
+    be = attnx_backend
+    keys = np.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    queries = np.array([0.25, 1.5, 5.875, 3.0, -4.0])  # 1.5: two keys tie
+    values = np.arange(16.0).reshape(8, 2) ** 1.5
+    if d is not None:  # the same distances, along a diagonal
+        keys, queries = (np.stack([a / np.sqrt(2)] * d, axis=-1) for a in (keys, queries))
+    for dtype in be.dtypes:
+        q, k, v = (rounded(a, be, dtype) for a in (queries, keys, values))
+        distances = np.abs(q[:, None] - k[None, :]) if d is None else np.linalg.norm(q[:, None] - k[None, :], axis=-1)
+        nearest = distances == distances.min(axis=1, keepdims=True)
+        expected = (nearest @ v) / nearest.sum(axis=1, keepdims=True)
+        bandwidth = 1e-200 if dtype == "float64" else 1e-30
+        for return_weights in (False, True):
+            got = attnx.nadaraya_watson(
+                *(be.array(a, dtype) for a in (queries, keys, values)),
+                bandwidth=bandwidth,
+                return_weights=return_weights,
+            )
+            assert_close(got[0] if return_weights else got, expected, be, dtype)
+            if return_weights:
+                assert_close(got[1], nearest / nearest.sum(axis=1, keepdims=True), be, dtype)
+
+
 def test_bad_input(attnx_backend):
     be = attnx_backend
     keys = be.array(np.zeros((5, 2)), "float64")
