@@ -200,6 +200,12 @@ def _in_state_dtype(xp: Any, queries: Any, keys: Any, values: Any, bandwidth: An
     return queries, keys, values, bandwidth
 
 
+#: Up to this many features the squared distances are summed one feature at
+#: a time, over ``(n, m)`` arrays: 3-5x faster on NumPy at 2-4 features than
+#: a difference ``(n, m, d)`` summed over its last axis, which wins past 16.
+_FEATURES_ONE_AT_A_TIME = 16
+
+
 def _distances(xp: Any, queries: Any, keys: Any, *, root: bool = True) -> Any:
     """The distances ``(n, m)`` between queries and keys: absolute for
     scalar keys, Euclidean for vectors (``root=False``: the vectors' squared
@@ -207,8 +213,24 @@ def _distances(xp: Any, queries: Any, keys: Any, *, root: bool = True) -> Any:
     may follow it exactly)."""
     if keys.ndim == 1:
         return xp.abs(queries[:, None] - keys[None, :])
-    difference = queries[:, None, :] - keys[None, :, :]
-    total = xp.sum(difference * difference, axis=-1)
+    features = keys.shape[1]
+    if features is not None and 0 < features <= _FEATURES_ONE_AT_A_TIME:
+        total = None
+        for feature in range(features):
+            difference = queries[:, feature, None] - keys[None, :, feature]
+            mutable = _masking.can_mutate(difference)
+            if mutable:
+                difference *= difference
+            square = difference if mutable else difference * difference
+            if total is None:
+                total = square
+            elif mutable:
+                total += square
+            else:
+                total = total + square
+    else:
+        difference = queries[:, None, :] - keys[None, :, :]
+        total = xp.sum(difference * difference, axis=-1)
     return xp.sqrt(total) if root else total
 
 

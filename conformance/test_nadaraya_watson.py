@@ -14,7 +14,7 @@ pytestmark = pytest.mark.attnx_operation("nadaraya_watson")
 
 
 @pytest.mark.parametrize("kernel", ["gaussian", "boxcar", "epanechnikov"])
-@pytest.mark.parametrize("d, d_v", [(None, None), (None, 3), (2, None), (3, 2)])
+@pytest.mark.parametrize("d, d_v", [(None, None), (None, 3), (2, None), (3, 2), (20, 2)])
 def test_matches_reference(attnx_backend, kernel, d, d_v):
     be = attnx_backend
     gen = rng(40)
