@@ -107,6 +107,25 @@ def test_kernel_states_over_split_training_data(attnx_backend):
         assert_close(got, expected, be, be.dtype("float64"))
 
 
+@pytest.mark.parametrize("d", [None, 3])
+def test_nearest_distance_is_the_smallest_distance(attnx_backend, d):
+    """Against every distance written out: scalar keys (found by sorting
+    them) unsorted, with duplicates, queries on a key, beyond both ends and
+    between two; vector keys Euclidean; no key at all gives inf."""
+    be = attnx_backend
+    gen = rng(74)
+    keys = gen.integers(-8, 8, (25,) if d is None else (25, d)) / 4.0
+    queries = np.concatenate([keys[:3], gen.uniform(-4, 4, (9,) if d is None else (9, d))])
+    if d is None:
+        queries[3:5] = [-9.0, 9.0]
+    difference = queries[:, None] - keys[None, :]
+    expected = np.abs(difference).min(axis=1) if d is None else np.sqrt((difference**2).sum(axis=-1)).min(axis=1)
+    q, k = _on(be, (queries, keys))
+    assert_close(nearest_distance(q, k), expected, be, be.dtype("float64"))
+    got = be.numpy(nearest_distance(q, k[:0, ...]))
+    assert got.shape == (queries.shape[0],) and np.isinf(got).all()
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # NumPy's, on the way to -inf
 def test_kernel_states_with_nearest_combine_past_the_float_range(attnx_backend):
     """Split keys, every one farther than the float range allows in
