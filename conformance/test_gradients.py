@@ -78,6 +78,7 @@ def _family_cases():
         k: gen.standard_normal(v.shape) * 0.5
         for k, v in attnx.init_multi_head_params(4, 2, seed=0, dtype="float64", backend="numpy").items()
     }
+    nw_values = gen.standard_normal((5, 2))
     add_params = {"w_q": gen.standard_normal((3, 4)), "w_k": gen.standard_normal((2, 4)), "w_v": gen.standard_normal(4)}
     return {
         "multi_head_attention": (
@@ -95,6 +96,12 @@ def _family_cases():
         "nadaraya_watson": (
             lambda be: lambda q, k, v: attnx.nadaraya_watson(q, k, v, bandwidth=0.8),
             [gen.standard_normal(3), gen.standard_normal(5), gen.standard_normal(5)],
+        ),
+        "nadaraya_watson, vector keys, learned width": (
+            lambda be: (
+                lambda q, k, bandwidth: attnx.nadaraya_watson(q, k, be.array(nw_values, "float64"), bandwidth=bandwidth)
+            ),
+            [gen.standard_normal((3, 2)), gen.standard_normal((5, 2)), np.array(0.9)],
         ),
         "apply_rotary": (lambda be: lambda x: attnx.apply_rotary(x), [gen.standard_normal((3, 4))]),
         "causal_conv1d": (
