@@ -13,8 +13,8 @@ __all__ = ["KERNELS", "finish_state", "kernel_state", "nadaraya_watson", "neares
 _NW = "nadaraya_watson"
 
 
-def _gaussian_log(xp: Any, u: Any) -> Any:
-    return -0.5 * u * u
+def _gaussian(xp: Any, u: Any) -> Any:
+    return xp.exp(-0.5 * u * u)
 
 
 def _boxcar(xp: Any, u: Any) -> Any:
@@ -25,11 +25,12 @@ def _epanechnikov(xp: Any, u: Any) -> Any:
     return xp.clip(0.75 * (1.0 - u * u), min=0.0)
 
 
-#: The named kernels, as functions of the scaled distance ``u``.  The
-#: gaussian is given as its logarithm: its weights are a softmax, which
-#: stays finite for queries far from every key.
+#: The named kernels, as functions of the scaled distance ``u``.
+#: :func:`nadaraya_watson` takes the gaussian's weights from the distances
+#: instead (:func:`_gaussian_weights`), over its nearest key's: ``u`` squared
+#: overflows, and every weight underflows, for a query far from every key.
 KERNELS: dict[str, Callable[[Any, Any], Any]] = {
-    "gaussian": _gaussian_log,
+    "gaussian": _gaussian,
     "boxcar": _boxcar,
     "epanechnikov": _epanechnikov,
 }
