@@ -53,6 +53,23 @@ def test_rotary_matches_reference(attnx_backend, shape, positions, interleaved):
         assert_close(got, reference.apply_rotary(exact, positions, interleaved=interleaved), be, dtype)
 
 
+def test_rotary_at_far_positions(attnx_backend):
+    """Positions up to 10^6: in float32 the angle p * base^(-2j/d) is off by
+    p times the frequency's rounding (8e-3 rad here); attnx takes the angles
+    in float64, as the reference does, where the backend has it."""
+    be = attnx_backend
+    if be.dtype("float64") != "float64":
+        pytest.skip(f"{be.name} has no float64 here: its angles are float32's")
+    positions = np.array([0, 1_000, 123_457, 999_999])
+    x = rng(52).standard_normal((2, 4, 8))
+    for dtype in be.dtypes:
+        got = attnx.apply_rotary(be.array(x, dtype), be.array(positions))
+        exact = be.numpy(be.array(x, dtype)).astype(np.float64)
+        # float64's own conditioning: an angle of 10^6 rad is known to 2e-10.
+        scale = 1e3 if be.dtype(dtype) == "float64" else 1.0
+        assert_close(got, reference.apply_rotary(exact, positions), be, dtype, scale=scale)
+
+
 def test_rotary_scores_depend_only_on_offset(attnx_backend):
     be = attnx_backend
     gen = rng(51)
