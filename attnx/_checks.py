@@ -122,10 +122,30 @@ def _offered_dtypes(xp: Any) -> frozenset[str] | None:
     return frozenset(info().dtypes())
 
 
-def widest_float(xp: Any) -> Any:
-    """float64 where ``xp`` can make it now, else float32."""
+#: Per (namespace, device): whether float64 arrays can be made there.
+_FLOAT64_ON: dict[tuple[str, str], bool] = {}
+
+
+def widest_float(xp: Any, device: Any = None) -> Any:
+    """float64 where ``xp`` can make it now (on ``device``), else float32.
+
+    The standard's inspection API answers for the namespace (JAX's changes
+    with its x64 mode); a device without float64 that it does not report
+    (PyTorch's "mps", which array-api-compat's answer leaves out) is found
+    by making one there, once per device."""
     offered = _offered_dtypes(xp)
-    return xp.float64 if offered is None or "float64" in offered else xp.float32
+    if offered is not None and "float64" not in offered:
+        return xp.float32
+    if device is None:
+        return xp.float64
+    key = (getattr(xp, "__name__", str(xp)), str(device))
+    if key not in _FLOAT64_ON:
+        try:
+            xp.zeros((), dtype=xp.float64, device=device)
+            _FLOAT64_ON[key] = True
+        except (TypeError, ValueError, RuntimeError, NotImplementedError):
+            _FLOAT64_ON[key] = False
+    return xp.float64 if _FLOAT64_ON[key] else xp.float32
 
 
 def dtype_name(array: Any) -> str:

@@ -76,7 +76,7 @@ def _positive_base(op: str, base: Any) -> float:
 
 def _sinusoidal_generic(xp: Any, *, num_positions: int, dim: int, base: float, dtype: Any, device: Any) -> Any:
     dtype = _creation_dtype(xp, dtype)
-    compute = _checks.widest_float(xp)
+    compute = _checks.widest_float(xp, device)
     half = (dim + 1) // 2
     angles = xp.arange(num_positions, dtype=compute, device=device)[:, None] * _frequencies(
         xp, half, dim, base, compute, device
@@ -186,7 +186,7 @@ def _rotary_generic(xp: Any, *, x: Any, positions: Any, base: float) -> Any:
     # table: in float32, p * base^(-2j/d) is off by p times a rounding of the
     # frequency, 8e-3 rad at p = 10^6.  They are (..., n, d / 2) with the
     # positions' leading axes, not x's: the cost stays small.
-    exact = _checks.widest_float(xp)
+    exact = _checks.widest_float(xp, device)
     if positions is None:
         positions = xp.arange(n, dtype=exact, device=device)
     else:

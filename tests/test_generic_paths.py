@@ -61,3 +61,30 @@ def test_attention_without_in_place_updates(chunks):
     )
     expected = _softmax(q @ k.swapaxes(-1, -2) * 0.5, allowed) @ v
     np.testing.assert_allclose(out.detach().numpy(), expected, rtol=1e-12, atol=1e-15)
+
+
+def test_widest_float_asks_the_device():
+    """PyTorch's "mps" device has no float64, which array-api-compat's
+    inspection API does not say: the widest float is found by making one on
+    the device.  Here, array-api-strict's namespace with a creation that
+    refuses float64 on one device, as PyTorch's does on "mps"."""
+    import types
+
+    import array_api_strict
+
+    from attnx import _checks
+
+    def zeros(shape, *, dtype=None, device=None):
+        if dtype == array_api_strict.float64 and device == "no-float64":
+            raise TypeError("Cannot convert a MPS Tensor to float64 dtype as the MPS framework doesn't support float64")
+        return array_api_strict.zeros(shape, dtype=dtype)
+
+    namespace = types.SimpleNamespace(
+        __name__="refuses_float64_on_one_device",
+        float32=array_api_strict.float32,
+        float64=array_api_strict.float64,
+        zeros=zeros,
+    )
+    assert _checks.widest_float(namespace, "no-float64") == array_api_strict.float32
+    assert _checks.widest_float(namespace, "other") == array_api_strict.float64
+    assert _checks.widest_float(namespace) == array_api_strict.float64
