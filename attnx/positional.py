@@ -171,8 +171,8 @@ def apply_rotary(
 def _interleaved(xp: Any, first: Any, second: Any) -> Any:
     """``first_0, second_0, first_1, second_1, ...`` on the last axis: a
     stack, not a gather, which is slow on PyTorch (its ``index_select`` along
-    the last axis took 0.1-0.5 s on a (4, 8, 2048, 64) float32 tensor, where
-    this takes 16 ms)."""
+    the last axis took 17 ms on a (4, 8, 2048, 64) float32 tensor, where a
+    stack of its strided halves takes 3 ms and a multiply 1.3 ms)."""
     return xp.reshape(xp.stack([first, second], axis=-1), (*first.shape[:-1], 2 * first.shape[-1]))
 
 
