@@ -8,7 +8,7 @@ from typing import Any
 
 from attnx import _checks, _dispatch, _masking, blocks
 
-__all__ = ["KERNELS", "finish_state", "kernel_state", "nadaraya_watson", "nearest_distance"]
+__all__ = ["KERNELS", "combine_states_along", "finish_state", "kernel_state", "nadaraya_watson"]
 
 _NW = "nadaraya_watson"
 
@@ -182,7 +182,7 @@ def _nadaraya_watson_generic(
         state = kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth, xp=xp)
         return finish_state(state, values, dtype=dtype, xp=xp)
     queries, keys, values, bandwidth = _in_state_dtype(xp, queries, keys, values, bandwidth)
-    kernel_values, _ = _kernel_values(xp, queries, keys, kernel, bandwidth)
+    kernel_values, _, _ = _kernel_values(xp, queries, keys, kernel, bandwidth)
     weights = kernel_values / _masking.safe_total(xp, kernel_values)
     estimate = weights @ values if values.ndim == 2 else xp.sum(weights * values, axis=-1)
     if estimate.dtype != dtype:
@@ -207,11 +207,9 @@ def _in_state_dtype(xp: Any, queries: Any, keys: Any, values: Any, bandwidth: An
 _FEATURES_ONE_AT_A_TIME = 16
 
 
-def _distances(xp: Any, queries: Any, keys: Any, *, root: bool = True) -> Any:
+def _distances(xp: Any, queries: Any, keys: Any) -> Any:
     """The distances ``(n, m)`` between queries and keys: absolute for
-    scalar keys, Euclidean for vectors (``root=False``: the vectors' squared
-    distances, for a minimum: the root, monotonic and correctly rounded,
-    may follow it exactly)."""
+    scalar keys, Euclidean for vectors."""
     if keys.ndim == 1:
         return xp.abs(queries[:, None] - keys[None, :])
     features = keys.shape[1]
@@ -232,7 +230,7 @@ def _distances(xp: Any, queries: Any, keys: Any, *, root: bool = True) -> Any:
     else:
         difference = queries[:, None, :] - keys[None, :, :]
         total = xp.sum(difference * difference, axis=-1)
-    return xp.sqrt(total) if root else total
+    return xp.sqrt(total)
 
 
 def _gaussian_weights(xp: Any, distances: Any, bandwidth: Any, nearest: Any) -> Any:
@@ -256,36 +254,26 @@ def _gaussian_weights(xp: Any, distances: Any, bandwidth: Any, nearest: Any) -> 
 
 
 def _kernel_values(
-    xp: Any, queries: Any, keys: Any, kernel: Any, bandwidth: Any, nearest: Any = None
-) -> tuple[Any, Any]:
-    """The kernel ``(n, m)`` between queries and keys and, for the gaussian,
+    xp: Any, queries: Any, keys: Any, kernel: Any, bandwidth: Any, with_nearest: bool = False
+) -> tuple[Any, Any, Any]:
+    """The kernel ``(n, m)`` between queries and keys; for the gaussian,
     given over a constant of each row, the logarithm of that constant
-    ``(n, 1)``: ``-(nearest / b)^2 / 2`` with ``nearest`` the row's smallest
-    distance (this block's unless given); None for the other kernels."""
+    ``(n, 1)``, ``-(nearest / b)^2 / 2`` (None for the other kernels); and
+    ``nearest`` ``(n, 1)``, each query's distance to its nearest key (``inf``
+    without keys), for the gaussian or where asked (None otherwise)."""
     distances = _distances(xp, queries, keys)
+    nearest = None
+    if kernel == "gaussian" or with_nearest:
+        nearest = (
+            xp.min(distances, axis=-1, keepdims=True)
+            if keys.shape[0]
+            else xp.full((queries.shape[0], 1), float("inf"), dtype=distances.dtype, device=_checks.device_of(queries))
+        )
     if kernel != "gaussian":
         u = distances / bandwidth
-        return (KERNELS[kernel](xp, u) if isinstance(kernel, str) else kernel(u)), None
-    if nearest is None:
-        nearest = xp.min(distances, axis=-1, keepdims=True) if keys.shape[0] else xp.zeros_like(distances[:, :1])
+        return (KERNELS[kernel](xp, u) if isinstance(kernel, str) else kernel(u)), None, nearest
     scaled = nearest / bandwidth
-    return _gaussian_weights(xp, distances, bandwidth, nearest), -0.5 * scaled * scaled
-
-
-def nearest_distance(queries: Any, keys: Any, *, xp: Any = None) -> Any:
-    """The distance ``(n,)`` from each query to its nearest key (``inf``
-    where there is no key), for :func:`kernel_state`'s ``nearest`` over
-    keys split into blocks: the minimum of the blocks' own."""
-    xp = xp or _checks.common_namespace(queries, keys)
-    compute, (queries, keys) = _checks.in_accumulation_dtype(xp, queries, keys)
-    if not keys.shape[0]:
-        return xp.full((queries.shape[0],), float("inf"), dtype=compute, device=_checks.device_of(queries))
-    if keys.ndim == 1:  # sorted keys: the nearest is next to the query's place, in O((n + m) log m)
-        ordered = xp.sort(keys)
-        above = xp.clip(xp.searchsorted(ordered, queries), max=keys.shape[0] - 1)
-        below = xp.clip(above - 1, min=0)
-        return xp.minimum(xp.abs(queries - xp.take(ordered, below)), xp.abs(queries - xp.take(ordered, above)))
-    return xp.sqrt(xp.min(_distances(xp, queries, keys, root=False), axis=-1))
+    return _gaussian_weights(xp, distances, bandwidth, nearest), -0.5 * scaled * scaled, nearest
 
 
 def kernel_state(
@@ -295,7 +283,7 @@ def kernel_state(
     *,
     kernel: Any = "gaussian",
     bandwidth: Any = 1.0,
-    nearest: Any = None,
+    return_nearest: bool = False,
     xp: Any = None,
 ) -> Any:
     """The partial state (:mod:`attnx.blocks`) of Nadaraya-Watson regression
@@ -305,37 +293,65 @@ def kernel_state(
 
     Parameters
     ----------
-    nearest : array, shape (n,), optional
-        The gaussian's only: each query's :func:`nearest_distance` over all
-        the keys.  Without it the states hold the scores
-        ``-(d / b)^2 / 2`` themselves, which are ``-inf`` for a query farther
-        than about ``1.8e19`` bandwidths (float32; ``1.3e154`` in float64)
-        from every key of a block: one such state still finishes exactly,
-        but two of them combine to zeros.  With it the scores are taken
-        less ``-(nearest / b)^2 / 2``, which is finite for the nearest key,
-        and the states of the blocks combine exactly; states made with
-        ``nearest`` combine only with states made with the same.
+    return_nearest : bool
+        Also return each query's distance to its nearest key here, for
+        :func:`combine_states_along`.  The states hold the gaussian's scores
+        ``-(d / b)^2 / 2``, which are ``-inf`` for a query farther than about
+        ``1.8e19`` bandwidths (float32; ``1.3e154`` in float64) from every
+        key of a state: one such state still finishes exactly, but
+        :func:`attnx.blocks.combine` of two gives zeros, where the nearest
+        distances tell which to keep.
 
     Returns
     -------
-    array, shape (n, d_v + 2), with ``d_v = 1`` for values of shape ``(m,)``
+    state : array, shape (n, d_v + 2), with ``d_v = 1`` for values of shape ``(m,)``
         In float32 for inputs of half precision (:func:`attnx.blocks.state_dtype`).
+    nearest : array, shape (n,), only with ``return_nearest=True``
+        In the state's dtype; ``inf`` where there is no key.
     """
     xp = xp or _checks.common_namespace(queries, keys, values)
     queries, keys, values, bandwidth = _in_state_dtype(xp, queries, keys, values, bandwidth)
     columns = values if values.ndim == 2 else values[:, None]
-    if nearest is not None:
-        nearest = xp.astype(nearest, queries.dtype)[:, None] if nearest.dtype != queries.dtype else nearest[:, None]
-    kernel_values, log_constant = _kernel_values(xp, queries, keys, kernel, bandwidth, nearest)
+    kernel_values, log_constant, nearest = _kernel_values(xp, queries, keys, kernel, bandwidth, return_nearest)
     if log_constant is None:
-        return blocks.from_weights(kernel_values, columns, xp=xp)
-    if 0 in tuple(kernel_values.shape):  # no key: the state of nothing attended (maximum -inf)
-        return blocks.from_scores(kernel_values, columns, xp=xp)
-    # The gaussian's weights are over exp(log_constant): the state's maximum
-    # (blocks' scores) is that, or 0 for states over one shared ``nearest``.
-    total = xp.sum(kernel_values, axis=-1, keepdims=True)
-    maximum = xp.zeros_like(total) if nearest is not None else log_constant
-    return blocks.pack(xp, kernel_values @ columns, total, maximum)
+        state = blocks.from_weights(kernel_values, columns, xp=xp)
+    elif 0 in tuple(kernel_values.shape):  # no key: the state of nothing attended (maximum -inf)
+        state = blocks.from_scores(kernel_values, columns, xp=xp)
+    else:  # the gaussian's weights are over exp(log_constant): that is the state's maximum score
+        total = xp.sum(kernel_values, axis=-1, keepdims=True)
+        state = blocks.pack(xp, kernel_values @ columns, total, log_constant)
+    return (state, nearest[:, 0]) if return_nearest else state
+
+
+def combine_states_along(states: Any, nearest: Any, axis: int, *, keepdims: bool = False, xp: Any = None) -> Any:
+    """Kernel states of disjoint keys, stacked along ``axis`` with their
+    nearest distances (:func:`kernel_state` with ``return_nearest=True``),
+    combined: ``(state, nearest)``.
+
+    As :func:`attnx.blocks.combine_along`, except for a query whose gaussian
+    scores are ``-inf`` in every state (all its keys beyond the float range
+    in bandwidths): there the states of its nearest keys are summed and the
+    others dropped, exactly, since another key's weight is below
+    ``exp(-1e31)`` times theirs (one rounding of a distance past ``1.8e19``
+    bandwidths).
+
+    Parameters
+    ----------
+    states : array, shape (..., n, d_v + 2)
+    nearest : array, shape (..., n)
+        Stacked along the same ``axis`` (not the states' last).
+    """
+    xp = xp or _checks.common_namespace(states, nearest)
+    axis = axis % states.ndim
+    combined = blocks.combine_along(states, axis, keepdims=True, xp=xp)
+    least = xp.min(nearest, axis=axis, keepdims=True)
+    keep = xp.astype(nearest == least, states.dtype)[..., None]
+    beyond = xp.sum(states[..., :-1] * keep, axis=axis, keepdims=True)
+    every_beyond = combined[..., -1:] == -float("inf")
+    state = xp.where(every_beyond, xp.concat([beyond, combined[..., -1:]], axis=-1), combined)
+    if not keepdims:
+        state, least = xp.squeeze(state, axis=axis), xp.squeeze(least, axis=axis)
+    return state, least
 
 
 def finish_state(state: Any, values: Any, *, dtype: Any = None, xp: Any = None) -> Any:

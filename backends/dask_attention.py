@@ -18,7 +18,7 @@ from typing import Any
 from array_api_compat import array_namespace
 
 from attnx import blocks
-from attnx.kernel_regression import kernel_state, nearest_distance
+from attnx.kernel_regression import combine_states_along, kernel_state
 from attnx_backends import dask_namespace
 
 #: Index names of the leading (batch, head, ...) axes in ``dask.array.blockwise``.
@@ -120,27 +120,14 @@ def nadaraya_watson(*, queries: Any, keys: Any, values: Any, kernel: Any, bandwi
     if not isinstance(bandwidth, float):  # a 0-d array
         arguments += [bandwidth, ()]
     compute = blocks.state_dtype(array_namespace(queries), queries.dtype)
+    # The gaussian's states carry each query's nearest key, so that queries
+    # beyond the float range in bandwidths combine exactly (combine_states_along).
     with_nearest = kernel == "gaussian" and len(keys.chunks[0]) > 1
-    if with_nearest:  # states of key chunks that combine exactly, however far the keys (kernel_state's nearest)
-        nearest = da.blockwise(
-            _nearest_block,
-            ("i", "j"),
-            queries,
-            ("i", *features),
-            keys,
-            ("j", *features),
-            adjust_chunks={"j": 1},
-            concatenate=True,
-            dtype=compute,
-            meta=da.utils.meta_from_array(queries, ndim=2, dtype=compute),
-            token="attnx-nearest-key",
-        )
-        arguments += [nearest.min(axis=1), ("i",)]
     partials = da.blockwise(
         _kernel_block,
         ("i", "j", "e"),
         *arguments,
-        adjust_chunks={"j": 1, "e": lambda size: size + 2},
+        adjust_chunks={"j": 1, "e": lambda size: size + 2 + with_nearest},
         concatenate=True,
         dtype=compute,
         meta=da.utils.meta_from_array(queries, ndim=3, dtype=compute),
@@ -149,22 +136,20 @@ def nadaraya_watson(*, queries: Any, keys: Any, values: Any, kernel: Any, bandwi
         bandwidth=bandwidth if isinstance(bandwidth, float) else None,
         with_nearest=with_nearest,
     )
-    estimate = _finish(_combine_keys(partials, 1), queries.dtype)
+    combined = _combine_keys(partials, 1, _combine_with_nearest if with_nearest else _combine)
+    estimate = _finish(combined[..., :-1] if with_nearest else combined, queries.dtype)
     return estimate if values.ndim == 2 else estimate[:, 0]
 
 
 def _kernel_block(
     queries: Any, keys: Any, values: Any, *rest: Any, kernel: Any, bandwidth: float | None, with_nearest: bool
 ) -> Any:
-    rest = list(rest)
     if bandwidth is None:
-        bandwidth = rest.pop(0)
-    nearest = rest.pop(0) if with_nearest else None
-    return kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth, nearest=nearest)[:, None, :]
-
-
-def _nearest_block(queries: Any, keys: Any) -> Any:
-    return nearest_distance(queries, keys)[:, None]
+        (bandwidth,) = rest
+    if not with_nearest:
+        return kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth)[:, None, :]
+    state, nearest = kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth, return_nearest=True)
+    return array_namespace(state).concat([state, nearest[:, None]], axis=-1)[:, None, :]
 
 
 def causal_conv1d(*, x: Any, weight: Any, bias: Any, stride: int, dilation: int) -> Any:
@@ -200,15 +185,17 @@ def _convolve(x: Any, weight: Any, bias: Any = None, *, stride: int, dilation: i
     return convolve(x, weight, bias, stride=stride, dilation=dilation)  # attnx on the chunks' own backend
 
 
-def _combine_keys(partials: Any, axis: int) -> Any:
-    """The states of every key chunk combined: a tree reduction over ``axis``."""
+def _combine_keys(partials: Any, axis: int, combine: Any = None) -> Any:
+    """The states of every key chunk combined: a tree reduction over ``axis``
+    (``combine``: :func:`_combine` by default)."""
     import dask.array as da
 
+    combine = combine or _combine
     return da.reduction(
         partials,
         chunk=_each,
-        combine=_combine,
-        aggregate=_combine,
+        combine=combine,
+        aggregate=combine,
         axis=axis,
         keepdims=False,
         concatenate=True,
@@ -225,6 +212,13 @@ def _each(state: Any, axis: Any, keepdims: bool) -> Any:
 def _combine(states: Any, axis: Any, keepdims: bool) -> Any:
     (axis,) = axis
     return blocks.combine_along(states, axis, keepdims=keepdims)
+
+
+def _combine_with_nearest(states: Any, axis: Any, keepdims: bool) -> Any:
+    """:func:`_combine` of kernel states whose last column is the nearest key's distance."""
+    (axis,) = axis
+    state, nearest = combine_states_along(states[..., :-1], states[..., -1], axis, keepdims=keepdims)
+    return array_namespace(state).concat([state, nearest[..., None]], axis=-1)
 
 
 def _finish(state: Any, dtype: Any) -> Any:

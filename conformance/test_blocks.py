@@ -13,7 +13,7 @@ import pytest
 
 import attnx
 from attnx import blocks
-from attnx.kernel_regression import finish_state, kernel_state, nearest_distance
+from attnx.kernel_regression import combine_states_along, finish_state, kernel_state
 from attnx_conformance import reference
 from attnx_conformance.helpers import assert_close, rng, rounded
 
@@ -107,41 +107,46 @@ def test_kernel_states_over_split_training_data(attnx_backend):
         assert_close(got, expected, be, be.dtype("float64"))
 
 
-@pytest.mark.parametrize("d", [None, 3])
-def test_nearest_distance_is_the_smallest_distance(attnx_backend, d):
-    """Against every distance written out: scalar keys (found by sorting
-    them) unsorted, with duplicates, queries on a key, beyond both ends and
-    between two; vector keys Euclidean; no key at all gives inf."""
-    be = attnx_backend
-    gen = rng(74)
-    keys = gen.integers(-8, 8, (25,) if d is None else (25, d)) / 4.0
-    queries = np.concatenate([keys[:3], gen.uniform(-4, 4, (9,) if d is None else (9, d))])
-    if d is None:
-        queries[3:5] = [-9.0, 9.0]
-    difference = queries[:, None] - keys[None, :]
-    expected = np.abs(difference).min(axis=1) if d is None else np.sqrt((difference**2).sum(axis=-1)).min(axis=1)
-    q, k = _on(be, (queries, keys))
-    assert_close(nearest_distance(q, k), expected, be, be.dtype("float64"))
-    got = be.numpy(nearest_distance(q, k[:0, ...]))
-    assert got.shape == (queries.shape[0],) and np.isinf(got).all()
-
-
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # NumPy's, on the way to -inf
-def test_kernel_states_with_nearest_combine_past_the_float_range(attnx_backend):
+@pytest.mark.parametrize("d", [None, 2])
+def test_kernel_states_combine_past_the_float_range(attnx_backend, d):
     """Split keys, every one farther than the float range allows in
-    bandwidths: the states made with each query's nearest distance over all
-    the keys combine to the nearest key's value; without it one state still
-    finishes to it."""
+    bandwidths: one state finishes to the nearest key's value by itself, and
+    the states of the parts, with their nearest distances, combine to it
+    (``blocks.combine`` alone would give zeros: every score is -inf)."""
     be = attnx_backend
     train_x, train_y, queries = np.arange(8.0), np.arange(8.0) ** 2, np.array([0.2, 2.9, 4.5, 7.6])
-    x, y, q = _on(be, (train_x, train_y, queries))
     expected = np.array([0.0, 9.0, 20.5, 49.0])  # 4.5: keys 4 and 5 tie
+    if d is not None:  # near the same distances, along a diagonal, where a tie would be the roots' rounding
+        queries[2], expected[2] = 4.4, 16.0
+        train_x, queries = (np.stack([a / np.sqrt(d)] * d, axis=-1) for a in (train_x, queries))
+    x, y, q = _on(be, (train_x, train_y, queries))
     bandwidth = 1e-200 if be.dtype_name(x) == "float64" else 1e-30  # squares past 1e398 and 1e58
-    nearest = nearest_distance(q, x)
-    assert_close(nearest, np.array([0.2, 0.1, 0.5, 0.6]), be, be.dtype("float64"))
-    states = [kernel_state(q, x[a:b], y[a:b], bandwidth=bandwidth, nearest=nearest) for a, b in ((0, 3), (3, 8))]
-    assert_close(finish_state(blocks.combine(*states), y), expected, be, be.dtype("float64"))
     assert_close(finish_state(kernel_state(q, x, y, bandwidth=bandwidth), y), expected, be, be.dtype("float64"))
+    parts = [
+        kernel_state(q, x[a:b, ...], y[a:b], bandwidth=bandwidth, return_nearest=True) for a, b in ((0, 3), (3, 8))
+    ]
+    xp = be.xp
+    state, nearest = combine_states_along(xp.stack([p[0] for p in parts]), xp.stack([p[1] for p in parts]), 0)
+    assert_close(finish_state(state, y), expected, be, be.dtype("float64"))
+    third = queries[2] if d is None else queries[2, 0] * np.sqrt(d)
+    assert_close(nearest, np.array([0.2, 0.1, abs(third - round(third)), 0.6]), be, be.dtype("float64"), scale=1e3)
+    assert_close(parts[0][1], np.array([0.2, 0.9, third - 2, 5.6]), be, be.dtype("float64"), scale=1e3)
+
+
+def test_kernel_states_with_nearest_combine_as_blocks_do(attnx_backend):
+    """Within the float range, combine_states_along is blocks.combine_along;
+    an empty part changes nothing."""
+    be = attnx_backend
+    gen = rng(75)
+    train_x, train_y, queries = gen.uniform(-2, 2, 30), gen.standard_normal(30), np.linspace(-3, 3, 6)
+    x, y, q = _on(be, (train_x, train_y, queries))
+    parts = [kernel_state(q, x[a:b], y[a:b], bandwidth=0.4, return_nearest=True) for a, b in ((0, 7), (7, 7), (7, 30))]
+    xp = be.xp
+    state, _ = combine_states_along(xp.stack([p[0] for p in parts]), xp.stack([p[1] for p in parts]), 0)
+    expected = attnx.to_numpy(attnx.nadaraya_watson(queries, train_x, train_y, bandwidth=0.4))
+    assert_close(finish_state(state, y), expected, be, be.dtype("float64"))
+    assert np.isinf(be.numpy(parts[1][1])).all()
 
 
 @pytest.mark.parametrize("layout", ["batch", "sequence", "query"])
