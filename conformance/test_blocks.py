@@ -141,12 +141,17 @@ def test_kernel_states_with_nearest_combine_as_blocks_do(attnx_backend):
     gen = rng(75)
     train_x, train_y, queries = gen.uniform(-2, 2, 30), gen.standard_normal(30), np.linspace(-3, 3, 6)
     x, y, q = _on(be, (train_x, train_y, queries))
-    parts = [kernel_state(q, x[a:b], y[a:b], bandwidth=0.4, return_nearest=True) for a, b in ((0, 7), (7, 7), (7, 30))]
     xp = be.xp
-    state, _ = combine_states_along(xp.stack([p[0] for p in parts]), xp.stack([p[1] for p in parts]), 0)
-    expected = attnx.to_numpy(attnx.nadaraya_watson(queries, train_x, train_y, bandwidth=0.4))
-    assert_close(finish_state(state, y), expected, be, be.dtype("float64"))
-    assert np.isinf(be.numpy(parts[1][1])).all()
+    for kernel in ("gaussian", "epanechnikov"):
+        parts = [
+            kernel_state(q, x[a:b], y[a:b], kernel=kernel, bandwidth=0.4, return_nearest=True)
+            for a, b in ((0, 7), (7, 7), (7, 30))
+        ]
+        state, nearest = combine_states_along(xp.stack([p[0] for p in parts]), xp.stack([p[1] for p in parts]), 0)
+        expected = attnx.to_numpy(attnx.nadaraya_watson(queries, train_x, train_y, kernel=kernel, bandwidth=0.4))
+        assert_close(finish_state(state, y), expected, be, be.dtype("float64"))
+        assert_close(nearest, np.abs(queries[:, None] - train_x[None, :]).min(axis=1), be, be.dtype("float64"))
+        assert np.isinf(be.numpy(parts[1][1])).all()
 
 
 @pytest.mark.parametrize("layout", ["batch", "sequence", "query"])
