@@ -60,8 +60,16 @@ class JaxBackend(Backend):
     def block_bytes_on(self, device: Any) -> int:
         # A GPU's blocks, as CuPy's and PyTorch's CUDA tensors' (bench/RESULTS.md,
         # "GPU"): under jit every tile is traced into the program, so the
-        # CPU's 4 MiB would make thousands of ops of a long call.
-        return GPU_BLOCK_BYTES if getattr(device, "platform", None) in ("gpu", "cuda", "rocm") else self.block_bytes
+        # CPU's 4 MiB would make thousands of ops of a long call.  A tracer
+        # under jit has no device (None): its arrays live on the default
+        # backend's, so that one decides.
+        if device is None:
+            import jax
+
+            platform = jax.default_backend()
+        else:
+            platform = getattr(device, "platform", None)
+        return GPU_BLOCK_BYTES if platform in ("gpu", "cuda", "rocm") else self.block_bytes
 
     def namespace(self) -> Any:
         # jax.numpy implements the array API standard itself (array-api-compat

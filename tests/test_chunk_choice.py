@@ -131,6 +131,28 @@ def test_jax_s_gpus_get_a_gpu_s_blocks():
     assert attnx.get_memory_budget("jax", GpuDevice()) == GPU_BLOCK_BYTES
 
 
+def test_jax_under_jit_plans_for_the_default_backend(monkeypatch):
+    """A tracer has no device (None under jit): its arrays are the default
+    backend's, so a GPU default gives a GPU's blocks, a CPU default the
+    CPU's, and the traced program holds as many tiles as that plan."""
+    jax = pytest.importorskip("jax")
+    from attnx.backend import GPU_BLOCK_BYTES
+
+    seen = []
+
+    def length_of_program(platform):
+        monkeypatch.setattr(jax, "default_backend", lambda: platform)
+        seen.append(attnx.get_memory_budget("jax", None))
+        query = jax.numpy.zeros((1, 8, 2048, 16), dtype=jax.numpy.float32)
+        window = attnx.create_block_mask(attnx.mods.sliding_window(256), None, None, 2048, 2048, backend="jax")
+        traced = jax.make_jaxpr(lambda q: attnx.flex_attention(q, q, q, block_mask=window))(query)
+        return len(traced.eqns)
+
+    on_cpu, on_gpu = length_of_program("cpu"), length_of_program("gpu")
+    assert seen == [BLOCK_BYTES, GPU_BLOCK_BYTES]
+    assert on_gpu < on_cpu
+
+
 def test_the_generic_algorithms_plan_on_the_arrays_device(monkeypatch):
     """flex_attention's steps, create_block_mask's tiles, the attention's
     chunks and additive attention's follow the block size the backend gives
