@@ -51,9 +51,9 @@ def scaled_dot_product_attention(
     query, key, value = (_leading_axes(a, ndim) for a in (query, key, value))
     if chunk_size is not None:  # the user's blocks: chunks of queries and keys
         query_chunk, key_chunk = chunks
-        query = query.rechunk({ndim - 2: query_chunk})
-        key, value = (a.rechunk({ndim - 2: key_chunk}) for a in (key, value))
-    value = value.rechunk({ndim - 1: -1})
+        query = dask_namespace.rechunk(query, {ndim - 2: query_chunk})
+        key, value = (dask_namespace.rechunk(a, {ndim - 2: key_chunk}) for a in (key, value))
+    value = dask_namespace.rechunk(value, {ndim - 1: -1})
     arguments: list[Any] = [query, (*batch, "i", "k"), key, (*batch, "j", "k"), value, (*batch, "j", "e")]
     masks = []
     if key_lengths is not None:
@@ -115,7 +115,7 @@ def nadaraya_watson(*, queries: Any, keys: Any, values: Any, kernel: Any, bandwi
     import dask.array as da
 
     features = ("k",) if keys.ndim == 2 else ()
-    columns = (values if values.ndim == 2 else values[:, None]).rechunk({1: -1})
+    columns = dask_namespace.rechunk(values if values.ndim == 2 else values[:, None], {1: -1})
     arguments: list[Any] = [queries, ("i", *features), keys, ("j", *features), columns, ("j", "e")]
     if not isinstance(bandwidth, float):  # a 0-d array
         arguments += [bandwidth, ()]

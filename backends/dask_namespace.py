@@ -20,7 +20,7 @@ from array_api_compat.dask.array import *  # noqa: F403
 from array_api_compat.dask.array import __array_api_version__, __array_namespace_info__  # noqa: F401
 from dask.base import tokenize as _tokenize
 
-__all__ = [*_compat.__all__, "Chunks", "device"]
+__all__ = [*_compat.__all__, "Chunks", "device", "rechunk"]
 
 
 class Chunks:
@@ -110,3 +110,13 @@ def asarray(obj: Any, /, *, dtype: Any = None, device: Any = None, copy: Any = N
         name = f"asarray-{type(value).__module__}-{_tokenize(obj, dtype)}"
         return _da.from_array(value, asarray=False, name=name)
     return _compat.asarray(obj, dtype=dtype, device=device, copy=copy, **kwargs)
+
+
+def rechunk(array: Any, chunks: Any) -> Any:
+    """``array.rechunk(chunks)``, in chunks of the array's own kind where it
+    is empty: Dask (2026.8) remakes an empty array's chunks with NumPy's
+    ``empty``, which CuPy chunks beside them refuse."""
+    rechunked = array.rechunk(chunks)
+    if 0 not in array.shape or rechunked.chunks == array.chunks:
+        return rechunked
+    return empty(array.shape, dtype=array.dtype, device=device(array), chunks=rechunked.chunks)

@@ -205,3 +205,26 @@ def test_a_dask_array_moves_to_another_chunk_kind_lazily():
         moved = backend.asarray(lazy, dtype="float32", device=xp.Chunks(np.empty(0)))
     assert started == [] and moved.dtype == np.float32 and moved.chunks == lazy.chunks
     np.testing.assert_array_equal(moved.compute(), np.arange(6.0).reshape(2, 3))
+
+
+class _OtherChunks(np.ndarray):
+    """Chunks of a kind that is not NumPy's (its module is this one), for the
+    chunk-kind rules without a GPU: Dask keeps the subclass as the meta."""
+
+
+def test_an_empty_array_is_rechunked_in_chunks_of_its_own_kind():
+    """Dask remakes an empty array's chunks with NumPy's ``empty``, whatever
+    its kind, and a NumPy chunk then met CuPy ones in the SDPA native's
+    tasks where d_k or d_v is 0 (six conformance cases on a GPU).  The
+    namespace's ``rechunk`` keeps the kind; a non-empty array is Dask's
+    own rechunk."""
+    from attnx_backends import dask_namespace as xp
+
+    empty = da.from_array(np.ones((4, 0)).view(_OtherChunks), chunks=(2, -1), asarray=False)
+    assert isinstance(xp.device(empty), xp.Chunks)
+    rechunked = xp.rechunk(empty, {0: -1})
+    assert rechunked.chunks == ((4,), (0,)) and rechunked.dtype == empty.dtype
+    assert xp.device(rechunked) == xp.device(empty)
+    full = da.from_array(np.ones((4, 2)).view(_OtherChunks), chunks=(2, -1), asarray=False)
+    assert xp.rechunk(full, {0: -1}).name == full.rechunk({0: -1}).name
+    assert xp.rechunk(empty, {0: 2}) is empty  # nothing to change
