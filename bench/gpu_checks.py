@@ -1,7 +1,7 @@
 """The GPU items of ``bench/RESULTS.md`` ("For the next lent GPU"), timed in
 one process against baselines measured in the same run.
 
-    python bench/gpu_checks.py [window] [family]   # on a machine with CUDA, CuPy and PyTorch
+    python bench/gpu_checks.py [window] [family] [jax] [breakdown]   # on a machine with CUDA, CuPy and PyTorch
 
 Each row is :func:`attnx.benchmark.run_case`, as ``attnx bench`` times it
 (the median of at least 5 synchronised calls and 0.25 s, and the peak
@@ -15,7 +15,11 @@ the plan attnx made before the change measured:
   PyTorch's compiled flex takes no float64): the GPU's blocks against the
   CPU's 4 MiB;
 - multi-head and additive attention on PyTorch's CUDA tensors and on CuPy
-  (``family``).
+  (``family``);
+- flex_attention on JAX's GPU under ``jit`` (``jax``): the GPU's blocks
+  against the CPU's 4 MiB, with the first call's compile;
+- where SDPA on CuPy spends its time (``breakdown``): each pass of a
+  textbook attention, and one with the row softmax fused into a kernel.
 
 The window's anchor is PyTorch's compiled FlexAttention, in the same run.
 Dask arrays of CuPy chunks are checked by ``tests/test_dask_cupy.py``.
@@ -86,9 +90,135 @@ def family() -> None:
             ratio(on_cupy, on_torch)
 
 
+def jax_window(n: int = 8192) -> None:
+    """A sliding window through ``flex_attention`` on JAX's default device
+    (the GPU there), jitted: the GPU's blocks against the CPU's 4 MiB, the
+    plan a jitted call made before the thirty-second session (a tracer has no
+    device).  The first call's seconds hold the compile; the program's
+    length is its equations."""
+    import time
+
+    import jax
+
+    shape = (1, 8, n, 64)
+    query = jax.random.normal(jax.random.key(0), shape, dtype=jax.numpy.float32)
+    block_mask = attnx.create_block_mask(attnx.mods.sliding_window(256), None, None, n, n, backend="jax")
+    for name, budget in (("GPU blocks", None), ("CPU blocks", 4 * MiB)):
+        with attnx.memory_budget(budget) if budget else contextlib.nullcontext():
+
+            def function(q, k, v):
+                return attnx.flex_attention(q, k, v, block_mask=block_mask)
+
+            equations = len(jax.make_jaxpr(function)(query, query, query).eqns)
+            attend = jax.jit(function)
+            start = time.perf_counter()
+            attend(query, query, query).block_until_ready()
+            first = time.perf_counter() - start
+        print(
+            json.dumps(
+                {"row": f"jax window first call, {name}", "first_call_s": round(first, 2), "equations": equations}
+            ),
+            flush=True,
+        )
+    case = dict(operation="sliding_window", batch=1, heads=8, n=n, head_dim=64, repeat=10)
+    gpu = row("jax window, GPU blocks", Case("attnx:jax", **case))
+    cpu = row("jax window, CPU blocks", Case("attnx:jax", **case), 4 * MiB)
+    ratio(gpu, cpu)
+
+
+#: One block per row of scores: exp(s - max) in place and the row's sum, in
+#: one kernel (the row's second read comes from L2).  A candidate for a
+#: CuPy native, timed beside the passes the generic algorithm makes.
+ROW_SOFTMAX = r"""
+extern "C" __global__ void row_softmax(float* scores, float* totals, const int m) {
+    float* row = scores + (long long)blockIdx.x * m;
+    __shared__ float partial[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    float most = -INFINITY;
+    for (int j = threadIdx.x; j < m; j += blockDim.x) most = fmaxf(most, row[j]);
+    for (int o = 16; o > 0; o >>= 1) most = fmaxf(most, __shfl_xor_sync(0xffffffff, most, o));
+    if (lane == 0) partial[warp] = most;
+    __syncthreads();
+    most = -INFINITY;
+    for (int w = 0; w < warps; ++w) most = fmaxf(most, partial[w]);
+    __syncthreads();
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < m; j += blockDim.x) {
+        const float e = expf(row[j] - most);
+        row[j] = e;
+        sum += e;
+    }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    if (lane == 0) partial[warp] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.0f;
+        for (int w = 0; w < warps; ++w) total += partial[w];
+        totals[blockIdx.x] = total;
+    }
+}
+"""
+
+
+def breakdown() -> None:
+    """Where attnx's SDPA on CuPy spends its time, (1, 8, 8192, 64) float32:
+    PyTorch's SDPA and attnx's as ``attnx bench`` times them, then each
+    pass of a textbook softmax attention on the whole (8, 8192, 8192)
+    scores (cupyx.profiler.benchmark, GPU time), and the same with the row
+    softmax fused into one kernel."""
+    import cupy as cp
+    from cupyx.profiler import benchmark
+
+    case = dict(operation="sdpa", batch=1, heads=8, n=8192, head_dim=64, device=CUDA, repeat=10)
+    torch_sdpa = row("torch-sdpa", Case("torch-sdpa", **case))
+    on_cupy = row("attnx:cupy sdpa", Case("attnx:cupy", **case))
+    ratio(on_cupy, torch_sdpa)
+    gen = cp.random.default_rng(0)
+    q, k, v = (gen.standard_normal((8, 8192, 64), dtype=cp.float32) for _ in range(3))
+    scale = 64**-0.5
+    scores = (q * scale) @ k.swapaxes(-1, -2)
+    exp_scores = cp.exp(scores - scores.max(-1, keepdims=True))
+    totals = cp.empty((8 * 8192,), dtype=cp.float32)
+    kernel = cp.RawKernel(ROW_SOFTMAX, "row_softmax")
+
+    def fused_softmax(s):
+        kernel((8 * 8192,), (1024,), (s, totals, cp.int32(8192)))
+        return s
+
+    def textbook():
+        s = (q * scale) @ k.swapaxes(-1, -2)
+        e = cp.exp(s - s.max(-1, keepdims=True))
+        return (e @ v) / e.sum(-1, keepdims=True)
+
+    def fused():
+        s = fused_softmax((q * scale) @ k.swapaxes(-1, -2))
+        return (s @ v) / totals.reshape(8, 8192, 1)
+
+    expected = textbook()
+    error = float(cp.abs(fused() - expected).max())
+    passes = {
+        "scores: (q * scale) @ k.T": lambda: (q * scale) @ k.swapaxes(-1, -2),
+        "row max": lambda: scores.max(-1, keepdims=True),
+        "exp(s - max), a new array": lambda: cp.exp(scores - scores.max(-1, keepdims=True)),
+        "row sum": lambda: exp_scores.sum(-1, keepdims=True),
+        "exp_scores @ v": lambda: exp_scores @ v,
+        "fused row softmax (in place on a copy)": lambda: fused_softmax(scores.copy()),
+        "copy of the scores (to subtract from the line above)": lambda: scores.copy(),
+        "textbook attention": textbook,
+        "attention with the fused row softmax": fused,
+    }
+    for name, function in passes.items():
+        result = benchmark(function, n_repeat=20, n_warmup=3)
+        gpu_ms = float(result.gpu_times.mean()) * 1e3
+        print(json.dumps({"row": name, "gpu_ms": round(gpu_ms, 3)}), flush=True)
+    print(json.dumps({"row": "fused against textbook, max abs difference", "value": error}), flush=True)
+
+
 if __name__ == "__main__":
     stages = sys.argv[1:] or ["window", "family"]
-    if "window" in stages:
-        window()
-    if "family" in stages:
-        family()
+    for stage, function in (("window", window), ("family", family), ("jax", jax_window), ("breakdown", breakdown)):
+        if stage in stages:
+            try:
+                function()
+            except Exception as exc:  # one stage's failure leaves the others' figures
+                print(json.dumps({"stage": stage, "error": repr(exc)}), flush=True)
