@@ -122,7 +122,9 @@ def nadaraya_watson(*, queries: Any, keys: Any, values: Any, kernel: Any, bandwi
     compute = blocks.state_dtype(array_namespace(queries), queries.dtype)
     # The gaussian's states carry each query's nearest key, so that queries
     # beyond the float range in bandwidths combine exactly (combine_states_along).
-    with_nearest = kernel == "gaussian" and len(keys.chunks[0]) > 1
+    # One key chunk too: the reduction combines even a lone state, and
+    # blocks.combine_along turns one whose scores are all -inf into zeros.
+    with_nearest = kernel == "gaussian"
     partials = da.blockwise(
         _kernel_block,
         ("i", "j", "e"),
