@@ -33,6 +33,7 @@ import sys
 from typing import Any
 
 import attnx
+from attnx.backend import GPU_BLOCK_BYTES
 from attnx.benchmark import Case, run_case
 
 MiB = 2**20
@@ -124,6 +125,23 @@ def jax_window(n: int = 8192) -> None:
     gpu = row("jax window, GPU blocks", Case("attnx:jax", **case))
     cpu = row("jax window, CPU blocks", Case("attnx:jax", **case), 4 * MiB)
     ratio(gpu, cpu)
+    # Not jitted: concrete arrays, each tile's operations dispatched one by one.
+    for name, budget in (("GPU blocks", GPU_BLOCK_BYTES), ("CPU blocks", 4 * MiB)):
+        with attnx.memory_budget(budget):
+            attnx.flex_attention(query, query, query, block_mask=block_mask).block_until_ready()
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                attnx.flex_attention(query, query, query, block_mask=block_mask).block_until_ready()
+                times.append(time.perf_counter() - start)
+        print(
+            json.dumps({"row": f"jax window eager, {name}", "median_ms": round(sorted(times)[2] * 1e3, 3)}), flush=True
+        )
+    for size in (2048, n):
+        case = dict(operation="additive_attention", batch=1, heads=8, n=size, head_dim=64, repeat=10)
+        gpu = row(f"jax additive {size}, GPU blocks", Case("attnx:jax", **case))
+        cpu = row(f"jax additive {size}, CPU blocks", Case("attnx:jax", **case), 4 * MiB)
+        ratio(gpu, cpu)
 
 
 #: One block per row of scores: exp(s - max) in place and the row's sum, in
@@ -134,12 +152,13 @@ extern "C" __global__ void row_softmax(float* scores, float* totals, const int m
     float* row = scores + (long long)blockIdx.x * m;
     __shared__ float partial[32];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    float most = -INFINITY;
+    const float minus_infinity = __int_as_float(0xff800000);
+    float most = minus_infinity;
     for (int j = threadIdx.x; j < m; j += blockDim.x) most = fmaxf(most, row[j]);
     for (int o = 16; o > 0; o >>= 1) most = fmaxf(most, __shfl_xor_sync(0xffffffff, most, o));
     if (lane == 0) partial[warp] = most;
     __syncthreads();
-    most = -INFINITY;
+    most = minus_infinity;
     for (int w = 0; w < warps; ++w) most = fmaxf(most, partial[w]);
     __syncthreads();
     float sum = 0.0f;
