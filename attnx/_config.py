@@ -97,7 +97,7 @@ def get_memory_budget(backend: str | Backend | None = None, device: Any = None) 
     ``backend`` (a name or a :class:`Backend`; the current backend when
     None) for arrays on ``device``: its
     :meth:`~attnx.Backend.block_bytes_on` (512 MiB for CuPy, PyTorch's CUDA
-    tensors and JAX's GPUs, 4 MiB on the CPU)."""
+    tensors and JAX's GPU arrays outside jit, 4 MiB on the CPU)."""
     budget = user_memory_budget()
     if budget is not None:
         return budget

@@ -123,7 +123,8 @@ class Backend:
         array's own device, as :func:`array_api_compat.device` gives it, or
         None for the default): :attr:`block_bytes` unless overridden.  The
         PyTorch backend gives CUDA tensors :data:`GPU_BLOCK_BYTES`, and the
-        JAX backend its GPU devices."""
+        JAX backend its arrays on GPU devices (not its tracers, which have
+        no device under jit)."""
         return self.block_bytes
 
     # -- arrays -----------------------------------------------------------

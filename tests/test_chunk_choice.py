@@ -131,12 +131,12 @@ def test_jax_s_gpus_get_a_gpu_s_blocks():
     assert attnx.get_memory_budget("jax", GpuDevice()) == GPU_BLOCK_BYTES
 
 
-def test_jax_under_jit_plans_for_the_default_backend(monkeypatch):
-    """A tracer has no device (None under jit): its arrays are the default
-    backend's, so a GPU default gives a GPU's blocks, a CPU default the
-    CPU's, and the traced program holds as many tiles as that plan."""
+def test_jax_under_jit_keeps_the_cpu_s_tiles_on_a_gpu_too(monkeypatch):
+    """A tracer has no device (None under jit), and its plan is the CPU's
+    small tiles whatever the default backend: XLA runs them as one program,
+    where a GPU's blocks made a sliding window 3.3x slower on an H200
+    (bench/RESULTS.md).  The traced program is the same on a GPU default."""
     jax = pytest.importorskip("jax")
-    from attnx.backend import GPU_BLOCK_BYTES
 
     seen = []
 
@@ -148,9 +148,8 @@ def test_jax_under_jit_plans_for_the_default_backend(monkeypatch):
         traced = jax.make_jaxpr(lambda q: attnx.flex_attention(q, q, q, block_mask=window))(query)
         return len(traced.eqns)
 
-    on_cpu, on_gpu = length_of_program("cpu"), length_of_program("gpu")
-    assert seen == [BLOCK_BYTES, GPU_BLOCK_BYTES]
-    assert on_gpu < on_cpu
+    assert length_of_program("gpu") == length_of_program("cpu")
+    assert seen == [BLOCK_BYTES, BLOCK_BYTES]
 
 
 def test_the_generic_algorithms_plan_on_the_arrays_device(monkeypatch):
