@@ -154,17 +154,19 @@ def apply_rotary(
         return x
     # The pairs (x_j, x_{j+d/2}) side by side, rotated by the one rule, and back.
     half = d // 2
-    if _checks.known(*x.shape):
+    # Where a size is unknown (Dask's, after a selection), gathers: Dask's
+    # stack, concat and reshape refuse sizes it doesn't know yet.
+    known = _checks.known(*x.shape)
+    features = None if known else xp.arange(d, device=_checks.device_of(x))
+    if known:
         side_by_side = _interleaved(xp, x[..., :half], x[..., half:])
-    else:  # a gather: Dask's stack, concat and reshape refuse sizes it doesn't know yet
-        features = xp.arange(d, device=_checks.device_of(x))
-        side_by_side = xp.take(x, features // 2 + (features % 2) * half, axis=-1)  # x_0, x_h, x_1, x_h+1, ...
+    else:  # x_0, x_h, x_1, x_h+1, ...
+        side_by_side = xp.take(x, features // 2 + (features % 2) * half, axis=-1)
     rotated = _dispatch.call(
         op, chosen, reason, _rotary_generic, {"x": side_by_side, "positions": positions, "base": base}
     )
-    if _checks.known(*rotated.shape):
+    if known:
         return xp.concat([rotated[..., 0::2], rotated[..., 1::2]], axis=-1)
-    features = xp.arange(d, device=_checks.device_of(x))
     return xp.take(rotated, 2 * (features % half) + features // half, axis=-1)
 
 
