@@ -413,6 +413,15 @@ def values_known(array: Any) -> bool:
     return registry.is_concrete(array)
 
 
+def traced(array: Any) -> bool:
+    """Whether ``array`` is being traced into a program (``jax.jit``,
+    ``torch.compile``, vectorizing maps): its values unknown, and its
+    library not a lazy one (Dask's arrays are graphs of tasks, each a
+    dispatch of its own; a lazy backend declares :meth:`~attnx.Backend.computations`)."""
+    owner = registry.owner_of(array)
+    return owner is not None and not owner.is_concrete(array) and owner.computations() is None
+
+
 #: Sizes beyond this cannot index an array (NumPy's and PyTorch's int64 limit).
 MAX_SIZE = 2**63 - 1
 

@@ -120,6 +120,8 @@ def scaled_dot_product_attention(
             _checks.require_known(_SDPA, "is_causal", {"query": query, "key": key})
     scale, batch_shape, n, m = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
     block_bytes = chosen.block_bytes_on(_checks.device_of(query))
+    if _checks.traced(query):  # a traced program compiles each block and dispatches none
+        block_bytes = max(block_bytes, _tiling.TRACED_BLOCK_BYTES)
     chunks = choose_chunks(
         xp,
         query.dtype,

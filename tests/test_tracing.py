@@ -84,6 +84,40 @@ def test_jit_chunked_path_plans_from_shapes(jax):
     np.testing.assert_allclose(np.asarray(out), _reference(q, k, v, allowed, 0.5), rtol=2e-5, atol=2e-6)
 
 
+def test_jit_compiles_few_large_blocks(jax):
+    """Under a tracer the chunked SDPA's blocks hold 64 MiB at least
+    (``_tiling.TRACED_BLOCK_BYTES``): each block is compiled and none is
+    dispatched, so the program is a quarter of the one the CPU's 4 MiB
+    blocks make (a causal (1, 8, 8192, 64) call compiled in 2.8 s, not 47 s),
+    and it computes the same attention.  A memory budget still caps them."""
+    jnp = jax.numpy
+    q = jax.random.normal(jax.random.key(0), (1, 8, 2048, 64), dtype=jnp.float32)
+
+    def attend():  # a new function each time: JAX keeps the trace of one it has seen
+        return lambda q: attnx.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    traced = len(jax.make_jaxpr(attend())(q).eqns)
+    with attnx.memory_budget(attnx.get_memory_budget("jax", jax.devices("cpu")[0])):
+        capped = len(jax.make_jaxpr(attend())(q).eqns)
+        expected = np.asarray(jax.jit(attend())(q))
+    assert 4 * traced < capped
+    np.testing.assert_allclose(np.asarray(jax.jit(attend())(q)), expected, rtol=2e-5, atol=2e-6)
+
+
+def test_traced_means_a_program_not_a_lazy_graph(jax):
+    """``_checks.traced``: JAX's tracers, not its concrete arrays, nor NumPy's,
+    nor Dask's lazy arrays (each task a dispatch of its own)."""
+    from attnx import _checks
+
+    seen = []
+    jax.jit(lambda x: seen.append(_checks.traced(x)) or x)(jax.numpy.ones(2))
+    jax.vmap(lambda x: seen.append(_checks.traced(x)) or x)(jax.numpy.ones(2))
+    assert seen == [True, True]
+    assert not _checks.traced(jax.numpy.ones(2)) and not _checks.traced(np.ones(2))
+    da = pytest.importorskip("dask.array")
+    assert not _checks.traced(da.ones(2))
+
+
 def test_vmap_over_examples_with_their_own_lengths(jax):
     jnp = jax.numpy
     q, k, v, lengths, allowed = _inputs(batch=4)
