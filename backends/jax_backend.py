@@ -66,6 +66,7 @@ class JaxBackend(Backend):
         # outside a band.  flex_attention's sliding window of 256 keys, (1, 8,
         # 8192, 64) on an H200: eager 19.9 ms with a GPU's blocks against 201
         # ms, jitted 4.10 ms against 1.23 ms with the CPU's (bench/RESULTS.md).
+        # SDPA's chunks under a tracer are larger still (attnx._tiling.TRACED_BLOCK_BYTES).
         return GPU_BLOCK_BYTES if getattr(device, "platform", None) in ("gpu", "cuda", "rocm") else self.block_bytes
 
     def namespace(self) -> Any:
