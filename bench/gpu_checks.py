@@ -16,8 +16,9 @@ the plan attnx made before the change measured:
   CPU's 4 MiB;
 - multi-head and additive attention on PyTorch's CUDA tensors and on CuPy
   (``family``);
-- flex_attention on JAX's GPU under ``jit`` (``jax``): the GPU's blocks
-  against the CPU's 4 MiB, with the first call's compile;
+- flex_attention and additive attention on JAX's GPU under ``jit``
+  (``jax``): the blocks a tracer plans with, 4 MiB (today's) against
+  larger, with the first call's compile;
 - where SDPA on CuPy spends its time (``breakdown``): each pass of a
   textbook attention, and one with the row softmax fused into a kernel.
 
@@ -91,12 +92,27 @@ def family() -> None:
             ratio(on_cupy, on_torch)
 
 
-def jax_window(n: int = 8192) -> None:
-    """A sliding window through ``flex_attention`` on JAX's default device
-    (the GPU there), jitted: the GPU's blocks against the CPU's 4 MiB, the
-    plan a jitted call made before the thirty-second session (a tracer has no
-    device).  The first call's seconds hold the compile; the program's
-    length is its equations."""
+@contextlib.contextmanager
+def tracer_blocks(size: int) -> Any:
+    """The JAX backend's blocks for a tracer (no device under jit): the
+    CPU's ``block_bytes``, set to ``size`` here."""
+    backend = attnx._registry.get("jax")
+    before = backend.block_bytes
+    backend.block_bytes = size
+    try:
+        yield
+    finally:
+        backend.block_bytes = before
+
+
+def jax_tracer(n: int = 8192) -> None:
+    """On JAX's default device (the GPU there), jitted, the blocks a tracer
+    plans with: the CPU's 4 MiB (today's) against larger ones, for
+    flex_attention's sliding window (decided by the thirty-second session's
+    run: the CPU's) and additive attention (undecided: its chunks of
+    queries are unrolled into the program).  Each first call holds the
+    compile; the program's length is its equations.  The window eagerly too,
+    where the GPU's blocks apply."""
     import time
 
     import jax
@@ -104,27 +120,32 @@ def jax_window(n: int = 8192) -> None:
     shape = (1, 8, n, 64)
     query = jax.random.normal(jax.random.key(0), shape, dtype=jax.numpy.float32)
     block_mask = attnx.create_block_mask(attnx.mods.sliding_window(256), None, None, n, n, backend="jax")
-    for name, budget in (("GPU blocks", None), ("CPU blocks", 4 * MiB)):
-        with attnx.memory_budget(budget) if budget else contextlib.nullcontext():
-
-            def function(q, k, v):
-                return attnx.flex_attention(q, k, v, block_mask=block_mask)
-
-            equations = len(jax.make_jaxpr(function)(query, query, query).eqns)
-            attend = jax.jit(function)
-            start = time.perf_counter()
-            attend(query, query, query).block_until_ready()
-            first = time.perf_counter() - start
-        print(
-            json.dumps(
-                {"row": f"jax window first call, {name}", "first_call_s": round(first, 2), "equations": equations}
-            ),
-            flush=True,
-        )
-    case = dict(operation="sliding_window", batch=1, heads=8, n=n, head_dim=64, repeat=10)
-    gpu = row("jax window, GPU blocks", Case("attnx:jax", **case))
-    cpu = row("jax window, CPU blocks", Case("attnx:jax", **case), 4 * MiB)
-    ratio(gpu, cpu)
+    additive = {"w_q": query[0, 0, :64] * 0.1, "w_k": query[0, 1, :64] * 0.1, "w_v": query[0, 2, 0] * 0.1}
+    calls = {
+        "window": lambda q: attnx.flex_attention(q, q, q, block_mask=block_mask),
+        "additive 2048": lambda q: attnx.additive_attention(q[:, :, :2048], q[:, :, :2048], q[:, :, :2048], additive),
+    }
+    for name, call in calls.items():
+        for size in (4 * MiB, 64 * MiB, GPU_BLOCK_BYTES):
+            with tracer_blocks(size):
+                function = lambda q, call=call: call(q)  # noqa: E731 (a new function: JAX keeps traces it has seen)
+                equations = len(jax.make_jaxpr(function)(query).eqns)
+                attend = jax.jit(lambda q, call=call: call(q))
+                start = time.perf_counter()
+                attend(query).block_until_ready()
+                first = time.perf_counter() - start
+                times = []
+                for _ in range(10):
+                    start = time.perf_counter()
+                    attend(query).block_until_ready()
+                    times.append(time.perf_counter() - start)
+            line = {
+                "row": f"jax {name} jitted, tracer blocks {size // MiB} MiB",
+                "first_call_s": round(first, 2),
+                "median_ms": round(sorted(times)[5] * 1e3, 3),
+                "equations": equations,
+            }
+            print(json.dumps(line), flush=True)
     # Not jitted: concrete arrays, each tile's operations dispatched one by one.
     for name, budget in (("GPU blocks", GPU_BLOCK_BYTES), ("CPU blocks", 4 * MiB)):
         with attnx.memory_budget(budget):
@@ -137,11 +158,6 @@ def jax_window(n: int = 8192) -> None:
         print(
             json.dumps({"row": f"jax window eager, {name}", "median_ms": round(sorted(times)[2] * 1e3, 3)}), flush=True
         )
-    for size in (2048, n):
-        case = dict(operation="additive_attention", batch=1, heads=8, n=size, head_dim=64, repeat=10)
-        gpu = row(f"jax additive {size}, GPU blocks", Case("attnx:jax", **case))
-        cpu = row(f"jax additive {size}, CPU blocks", Case("attnx:jax", **case), 4 * MiB)
-        ratio(gpu, cpu)
 
 
 #: One block per row of scores: exp(s - max) in place and the row's sum, in
@@ -234,7 +250,7 @@ def breakdown() -> None:
 
 
 if __name__ == "__main__":
-    functions = {"window": window, "family": family, "jax": jax_window, "breakdown": breakdown}
+    functions = {"window": window, "family": family, "jax": jax_tracer, "breakdown": breakdown}
     for stage in sys.argv[1:] or ["window", "family"]:  # in the order named: the first is the surest to finish
         try:
             functions[stage]()
