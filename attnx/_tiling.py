@@ -43,7 +43,9 @@ BLOCK_BYTES = 4 * 2**20
 #: causal (1, 8, 8192, 64) call jitted on JAX's CPU (2 cores) compiled in
 #: 47.4 s, ran in 1.38 s and peaked at 4.7 GB with 4 MiB blocks; 8.5 s,
 #: 1.08 s and 2.4 GB with 16 MiB; 2.8 s, 0.99 s and 1.8 GB with 64 MiB; 2.1
-#: s, 1.08 s with 256 MiB.
+#: s, 1.08 s with 256 MiB.  Under a vectorizing map (``jax.vmap``) the plan
+#: sees one example, so a block holds this much for every mapped example, as
+#: it held the CPU's 4 MiB before.
 TRACED_BLOCK_BYTES = 64 * 2**20
 #: Keys per block (Rabe and Staats use 4096).
 KEY_CHUNK = 4096
