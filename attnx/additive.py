@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from attnx import _checks, _dispatch, _masking, _params, _tiling
@@ -52,7 +52,9 @@ def additive_attention(
     The ``(..., n, m, h)`` intermediate is never held whole: queries go in
     chunks whose ``(..., chunk, m, h)`` part fits one block of the backend
     (:meth:`attnx.Backend.block_bytes_on` the inputs' device, within the
-    memory budget: 4 MiB on the CPU, 512 MiB on a GPU), one query at least.
+    memory budget: 4 MiB on the CPU, 512 MiB on a GPU), one query at least,
+    through the backend's :meth:`~attnx.Backend.map_chunks` (under
+    ``jax.jit``, one ``lax.map``: the traced program holds one chunk).
 
     Native implementations (:meth:`attnx.Backend.implementations`) are
     called with the keyword arguments ``query``, ``key``, ``value``,
@@ -86,8 +88,11 @@ def additive_attention(
 def _call(chosen: Any, reason: str, arguments: dict[str, Any]) -> Any:
     """The backend's native additive attention, else the generic one in
     chunks of the block size of the query's device."""
-    block_bytes = chosen.block_bytes_on(_checks.device_of(arguments["query"]))
-    return _dispatch.call(_ADD, chosen, reason, _additive_generic, arguments, {"block_bytes": block_bytes})
+    options = {
+        "block_bytes": chosen.block_bytes_on(_checks.device_of(arguments["query"])),
+        "map_chunks": chosen.map_chunks,
+    }
+    return _dispatch.call(_ADD, chosen, reason, _additive_generic, arguments, options)
 
 
 def check_additive(
@@ -127,28 +132,34 @@ def check_additive(
 
 
 def additive_scores(
-    xp: Any, query: Any, key: Any, params: Mapping[str, Any], block_bytes: int = _tiling.BLOCK_BYTES
+    xp: Any,
+    query: Any,
+    key: Any,
+    params: Mapping[str, Any],
+    block_bytes: int,
+    map_chunks: Callable[..., Any],
 ) -> Any:
     """``tanh(q W_q + k W_k) w_v`` as ``(..., n, m)``, in chunks of queries
     whose ``(..., chunk, m, h)`` intermediate, every slice's, fits one block
     (:func:`attnx._tiling.bytes_per_block`): as many launches as a GPU's
-    blocks need, and a CPU's intermediate within its memory budget."""
+    blocks need, and a CPU's intermediate within its memory budget.  The
+    chunks go through ``map_chunks`` (the backend's
+    :meth:`~attnx.Backend.map_chunks`), a loop in Python by default."""
     q = query @ params["w_q"]  # (..., n, h)
     k = key @ params["w_k"]  # (..., m, h)
-    n, m, hidden = q.shape[-2], k.shape[-2], q.shape[-1]
+    m, hidden = k.shape[-2], q.shape[-1]
     w_v = params["w_v"]
-    if n == 0:
-        return xp.zeros((*q.shape[:-2], 0, m), dtype=q.dtype, device=_checks.device_of(q))
     # Sizes unknown (Dask, after a selection) count as 1: the chunks are then
     # planned on the known sizes alone.
     sizes = [size for size in (*_checks.leading_shape(q, k, k), m, hidden) if _checks.known(size)]
     per_query = _tiling.itemsize(xp, q.dtype) * max(1, math.prod(sizes))
     step = max(1, _tiling.bytes_per_block(1, block_bytes) // per_query)
     k = k[..., None, :, :]
-    chunks = [
-        xp.sum(xp.tanh(q[..., start : min(start + step, n), None, :] + k) * w_v, axis=-1) for start in range(0, n, step)
-    ]
-    return chunks[0] if len(chunks) == 1 else xp.concat(chunks, axis=-2)
+
+    def scores_of(chunk: Any) -> Any:  # (..., c, h) -> (..., c, m)
+        return xp.sum(xp.tanh(chunk[..., None, :] + k) * w_v, axis=-1)
+
+    return map_chunks(scores_of, q, step)
 
 
 def _additive_generic(
@@ -161,14 +172,15 @@ def _additive_generic(
     mask: Any,
     key_lengths: Any,
     return_weights: bool,
-    block_bytes: int = _tiling.BLOCK_BYTES,
+    block_bytes: int,
+    map_chunks: Callable[..., Any],
 ) -> Any:
     # Half precision in float32, as attention: a float16 sum over 65,504 keys is inf.
     dtype = query.dtype
     compute, (query, key, value) = _checks.in_accumulation_dtype(xp, query, key, value)
     if compute != dtype:
         params = {name: xp.astype(array, compute) for name, array in params.items()}
-    scores = additive_scores(xp, query, key, params, block_bytes)
+    scores = additive_scores(xp, query, key, params, block_bytes, map_chunks)
     batch_shape = _checks.leading_shape(query, key, value)
     allowed, additive = _masking.combine(
         xp,

@@ -195,6 +195,22 @@ class Backend:
         """
         return [function(item) for item in items]
 
+    def map_chunks(self, function: Callable[[Any], Any], array: Any, size: int) -> Any:
+        """``function`` of ``array`` in chunks of ``size`` along axis -2,
+        the results joined along axis -2.
+
+        ``function`` maps a chunk of shape ``(..., c, d)`` to an array of
+        shape ``(..., c, e)``, for any ``c``.  The default calls it on each
+        chunk in turn (the last may be shorter) and joins the results with
+        ``concat``.  A library with a traced loop overrides it (JAX:
+        ``lax.map`` under ``jax.jit``), so that a traced program holds one
+        chunk's operations rather than each chunk's: additive attention
+        hands its chunks of queries to it.
+        """
+        n = array.shape[-2]
+        chunks = [function(array[..., start : min(start + size, n), :]) for start in range(0, max(n, 1), size)]
+        return chunks[0] if len(chunks) == 1 else self.xp.concat(chunks, axis=-2)
+
     def gradients(self, function: Callable[..., Any], arrays: list[Any]) -> list[Any]:
         """Gradients of ``sum(function(*arrays))`` with respect to each array.
 

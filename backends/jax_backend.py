@@ -27,6 +27,11 @@ from typing import Any
 from attnx import Backend, hookimpl
 from attnx.backend import GPU_BLOCK_BYTES
 
+#: Platforms whose arrays take a GPU's blocks.
+GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+#: Blocks of a tracer's program on a GPU (see :meth:`JaxBackend.block_bytes_on`).
+TRACED_GPU_BLOCK_BYTES = 64 * 2**20
+
 
 class JaxBackend(Backend):
     name = "jax"
@@ -60,14 +65,23 @@ class JaxBackend(Backend):
     def block_bytes_on(self, device: Any) -> int:
         # Concrete arrays on a GPU take a GPU's blocks, as CuPy's and PyTorch's
         # CUDA tensors': each tile's operations are dispatched one by one, so
-        # launches set the cost.  A tracer under jit has no device (None) and
-        # keeps the CPU's tiles, even on a GPU: XLA runs the traced tiles as
-        # one program, where small tiles cost no dispatch and skip the work
-        # outside a band.  flex_attention's sliding window of 256 keys, (1, 8,
-        # 8192, 64) on an H200: eager 19.9 ms with a GPU's blocks against 201
-        # ms, jitted 4.10 ms against 1.23 ms with the CPU's (bench/RESULTS.md).
-        # SDPA's chunks under a tracer are larger still (attnx._tiling.TRACED_BLOCK_BYTES).
-        return GPU_BLOCK_BYTES if getattr(device, "platform", None) in ("gpu", "cuda", "rocm") else self.block_bytes
+        # launches set the cost.  A tracer under jit has no device (None): its
+        # program runs on the default backend, as one program, where small
+        # tiles cost no dispatch and skip the work outside a band, but each
+        # turn of a traced loop (additive attention's chunks, lax.map) costs
+        # a few launches.  Measured jitted on an H200 (bench/RESULTS.md):
+        # flex_attention's sliding window of 256 keys, (1, 8, 8192, 64), took
+        # 1.60 ms with 4 MiB tiles, 1.61 ms with 64 MiB and 4.29 ms with 512
+        # MiB; additive attention at (1, 8, 2048, 64), h = 64, took 39.0 ms in
+        # chunks of 4 MiB and 5.46 ms of 64 MiB.  On the CPU 4 MiB is best:
+        # 64 MiB made the window 2.3x slower and additive attention 3.6x.
+        # SDPA's chunks under a tracer are larger still (attnx's own plan).
+        if device is None:
+            import jax
+
+            on_gpu = jax.default_backend() in GPU_PLATFORMS
+            return TRACED_GPU_BLOCK_BYTES if on_gpu else self.block_bytes
+        return GPU_BLOCK_BYTES if getattr(device, "platform", None) in GPU_PLATFORMS else self.block_bytes
 
     def namespace(self) -> Any:
         # jax.numpy implements the array API standard itself (array-api-compat
@@ -140,6 +154,28 @@ class JaxBackend(Backend):
             device = self.device(device)
             arrays = [a for a in arrays if device in a.devices()]
         jax.block_until_ready(arrays)
+
+    def map_chunks(self, function: Callable[[Any], Any], array: Any, size: int) -> Any:
+        # Traced, a loop in Python puts every chunk's operations into the
+        # program: additive attention at (1, 8, 2048, 64) with h = 64 traced
+        # 14,351 equations, whose first call took 60 s on 2 cores (101 s on an
+        # H200).  lax.map traces one chunk and loops over equal ones: 19
+        # equations, 1.8 s, and later calls 0.16x the time.  Concrete
+        # arrays keep the loop: lax.map would compile its body at each call.
+        n = array.shape[-2]
+        if n <= size or self.is_concrete(array):
+            return super().map_chunks(function, array, size)
+        import jax
+        import jax.numpy as jnp
+
+        count = n // size
+        whole = count * size
+        chunks = jnp.reshape(array[..., :whole, :], (*array.shape[:-2], count, size, array.shape[-1]))
+        mapped = jnp.moveaxis(jax.lax.map(function, jnp.moveaxis(chunks, -3, 0)), 0, -3)
+        joined = jnp.reshape(mapped, (*mapped.shape[:-3], whole, mapped.shape[-1]))
+        if whole == n:
+            return joined
+        return jnp.concatenate([joined, function(array[..., whole:, :])], axis=-2)
 
     def gradients(self, function: Callable[..., Any], arrays: list[Any]) -> list[Any]:
         import jax

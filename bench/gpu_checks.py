@@ -1,7 +1,7 @@
 """The GPU items of ``bench/RESULTS.md`` ("For the next lent GPU"), timed in
 one process against baselines measured in the same run.
 
-    python bench/gpu_checks.py [window] [family] [jax] [breakdown]   # on a machine with CUDA, CuPy and PyTorch
+    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown]   # on a machine with CUDA, CuPy and PyTorch
 
 Each row is :func:`attnx.benchmark.run_case`, as ``attnx bench`` times it
 (the median of at least 5 synchronised calls and 0.25 s, and the peak
@@ -16,9 +16,10 @@ the plan attnx made before the change measured:
   CPU's 4 MiB;
 - multi-head and additive attention on PyTorch's CUDA tensors and on CuPy
   (``family``);
-- flex_attention and additive attention on JAX's GPU under ``jit``
-  (``jax``): the blocks a tracer plans with, 4 MiB (today's) against
-  larger, with the first call's compile;
+- flex_attention on JAX's GPU under ``jit`` (``jax``): the blocks a
+  tracer plans with, 4 MiB (today's) against larger, with the first
+  call's compile; additive attention's likewise (``additive``), its
+  chunks of queries in ``lax.map``;
 - where SDPA on CuPy spends its time (``breakdown``): each pass of a
   textbook attention, and one with the row softmax fused into a kernel.
 
@@ -105,12 +106,40 @@ def tracer_blocks(size: int) -> Any:
         backend.block_bytes = before
 
 
+def jitted(name: str, call: Any, query: Any, size: int) -> None:
+    """One row: ``call`` jitted with a tracer's blocks of ``size`` bytes,
+    its program's equations, first call (the compile) and median of 10."""
+    import time
+
+    import jax
+
+    with tracer_blocks(size):
+        function = lambda q: call(q)  # noqa: E731 (a new function: JAX keeps traces it has seen)
+        equations = len(jax.make_jaxpr(function)(query).eqns)
+        attend = jax.jit(lambda q: call(q))
+        start = time.perf_counter()
+        attend(query).block_until_ready()
+        first = time.perf_counter() - start
+        times = []
+        for _ in range(10):
+            start = time.perf_counter()
+            attend(query).block_until_ready()
+            times.append(time.perf_counter() - start)
+    line = {
+        "row": f"jax {name} jitted, tracer blocks {size // MiB} MiB",
+        "first_call_s": round(first, 2),
+        "median_ms": round(sorted(times)[5] * 1e3, 3),
+        "equations": equations,
+    }
+    print(json.dumps(line), flush=True)
+
+
 def jax_tracer(n: int = 8192) -> None:
     """On JAX's default device (the GPU there), jitted, the blocks a tracer
     plans with: the CPU's 4 MiB (today's) against larger ones, for
     flex_attention's sliding window (decided by the thirty-second session's
-    run: the CPU's) and additive attention (undecided: its chunks of
-    queries are unrolled into the program).  Each first call holds the
+    run: the CPU's) and additive attention (before its chunks went through
+    ``lax.map``: the thirty-third session's run).  Each first call holds the
     compile; the program's length is its equations.  The window eagerly too,
     where the GPU's blocks apply."""
     import time
@@ -120,32 +149,8 @@ def jax_tracer(n: int = 8192) -> None:
     shape = (1, 8, n, 64)
     query = jax.random.normal(jax.random.key(0), shape, dtype=jax.numpy.float32)
     block_mask = attnx.create_block_mask(attnx.mods.sliding_window(256), None, None, n, n, backend="jax")
-    additive = {"w_q": query[0, 0, :64] * 0.1, "w_k": query[0, 1, :64] * 0.1, "w_v": query[0, 2, 0] * 0.1}
-    calls = {
-        "window": lambda q: attnx.flex_attention(q, q, q, block_mask=block_mask),
-        "additive 2048": lambda q: attnx.additive_attention(q[:, :, :2048], q[:, :, :2048], q[:, :, :2048], additive),
-    }
-    for name, call in calls.items():
-        for size in (4 * MiB, 64 * MiB, GPU_BLOCK_BYTES):
-            with tracer_blocks(size):
-                function = lambda q, call=call: call(q)  # noqa: E731 (a new function: JAX keeps traces it has seen)
-                equations = len(jax.make_jaxpr(function)(query).eqns)
-                attend = jax.jit(lambda q, call=call: call(q))
-                start = time.perf_counter()
-                attend(query).block_until_ready()
-                first = time.perf_counter() - start
-                times = []
-                for _ in range(10):
-                    start = time.perf_counter()
-                    attend(query).block_until_ready()
-                    times.append(time.perf_counter() - start)
-            line = {
-                "row": f"jax {name} jitted, tracer blocks {size // MiB} MiB",
-                "first_call_s": round(first, 2),
-                "median_ms": round(sorted(times)[5] * 1e3, 3),
-                "equations": equations,
-            }
-            print(json.dumps(line), flush=True)
+    for size in (4 * MiB, 64 * MiB, GPU_BLOCK_BYTES):
+        jitted("window", lambda q: attnx.flex_attention(q, q, q, block_mask=block_mask), query, size)
     # Not jitted: concrete arrays, each tile's operations dispatched one by one.
     for name, budget in (("GPU blocks", GPU_BLOCK_BYTES), ("CPU blocks", 4 * MiB)):
         with attnx.memory_budget(budget):
@@ -158,6 +163,21 @@ def jax_tracer(n: int = 8192) -> None:
         print(
             json.dumps({"row": f"jax window eager, {name}", "median_ms": round(sorted(times)[2] * 1e3, 3)}), flush=True
         )
+
+
+def additive() -> None:
+    """Additive attention on JAX's GPU, jitted, h = 64: its chunks of
+    queries through ``lax.map`` (``JaxBackend.map_chunks``), with a tracer's
+    blocks of 4 MiB (the CPU's, today's), 64 MiB and 512 MiB.  Before
+    ``lax.map``, at n = 2048: 4 MiB compiled in 101 s and ran in 6.52 ms,
+    64 MiB in 3.39 s and 4.63 ms, and 512 MiB's compile passed 3 minutes."""
+    import jax
+
+    query = jax.random.normal(jax.random.key(0), (1, 8, 8192, 64), dtype=jax.numpy.float32)
+    params = {"w_q": query[0, 0, :64] * 0.1, "w_k": query[0, 1, :64] * 0.1, "w_v": query[0, 2, 0] * 0.1}
+    for n, size in ((2048, 4 * MiB), (2048, 64 * MiB), (8192, 64 * MiB), (8192, 4 * MiB), (2048, GPU_BLOCK_BYTES)):
+        part = query[:, :, :n]
+        jitted(f"additive {n}", lambda q: attnx.additive_attention(q, q, q, params), part, size)
 
 
 #: One block per row of scores: exp(s - max) in place and the row's sum, in
@@ -250,7 +270,7 @@ def breakdown() -> None:
 
 
 if __name__ == "__main__":
-    functions = {"window": window, "family": family, "jax": jax_tracer, "breakdown": breakdown}
+    functions = {"window": window, "family": family, "jax": jax_tracer, "additive": additive, "breakdown": breakdown}
     for stage in sys.argv[1:] or ["window", "family"]:  # in the order named: the first is the surest to finish
         try:
             functions[stage]()

@@ -9,7 +9,8 @@
 #     bash bench/gpu_session.sh family   # the family's other operations timed, and SDPA in float16
 #     bash bench/gpu_session.sh checks   # bench/gpu_checks.py and tests/test_dask_cupy.py, then the three suites
 #     (the stages bench/RESULTS.md's "For the next lent GPU" lists, in its order: CHECKS="window"
-#     for that stage alone; SKIP_SUITES=1 to stop before the suites)
+#     for that stage alone; SKIP_SUITES=1 to stop before the suites; SKIP_DASK=1 to stop
+#     after the checks, before the Dask-on-CuPy tests)
 # The checks' Dask travels as wheels too:
 #     pip download --no-deps -d .whl dask==2026.8.0 partd==1.4.2 locket==1.0.0
 # Logs and the benchmark's report go to $OUT; the figures are written up in
@@ -54,8 +55,9 @@ fi
 
 # The GPU to itself while it is timed: the benchmark first, then the suites.
 if [ "${1:-}" = checks ]; then
-    timeout "${BENCH_SECONDS:-170}" python3 "$REPO/bench/gpu_checks.py" ${CHECKS:-breakdown jax} >"$OUT/checks.log" 2>&1
+    timeout "${BENCH_SECONDS:-170}" python3 "$REPO/bench/gpu_checks.py" ${CHECKS:-additive} >"$OUT/checks.log" 2>&1
     echo "checks: exit $? after $((SECONDS - start)) s"
+    [ -n "${SKIP_DASK:-}" ] && exit 0
     timeout 120 python3 -m pytest "$REPO/tests/test_dask_cupy.py" -rA -p no:cacheprovider --rootdir "$REPO" \
         -c /dev/null >"$OUT/dask-cupy.log" 2>&1
     echo "dask on cupy: exit $? after $((SECONDS - start)) s: $(tail -n 1 "$OUT/dask-cupy.log")"

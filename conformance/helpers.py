@@ -65,3 +65,16 @@ def other_float(be: Any) -> str:
         if dtype in be.dtypes:
             return dtype
     pytest.skip(f"{be.name} has no float dtype but float32")
+
+
+def under_budget(budget: int | None) -> Any:
+    """:func:`attnx.memory_budget` of ``budget`` bytes, or no budget where
+    None.  A budget small enough makes an operation that plans its chunks by
+    it run in several, the last shorter (additive attention's queries,
+    through :meth:`attnx.Backend.map_chunks`).  Entered around a traced
+    call, not inside the traced function: tracers can't set it."""
+    import contextlib
+
+    import attnx
+
+    return attnx.memory_budget(budget) if budget is not None else contextlib.nullcontext()
