@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from attnx import _checks, _dispatch, _masking, _tiling
+from attnx import _checks, _dispatch, _masking, _tiling, _tracing
 from attnx.attention import choose_chunks
 
 __all__ = ["BlockMask", "and_masks", "create_block_mask", "flex_attention", "or_masks"]
@@ -124,15 +124,11 @@ class BlockMask:
         """At most how many key blocks a step of ``rows_per_step`` rows of
         blocks visits (the span from its first to its last key block)."""
         spans = self._row_spans
-        return max(
-            (
-                max(hi for _, hi in spans[r : r + rows_per_step])
-                - min(lo for lo, _ in spans[r : r + rows_per_step])
-                + 1
-                for r in range(0, len(spans), rows_per_step)
-            ),
-            default=1,
-        )
+        widths = [
+            max(hi for _, hi in spans[r : r + rows_per_step]) - min(lo for lo, _ in spans[r : r + rows_per_step]) + 1
+            for r in range(0, len(spans), rows_per_step)
+        ]
+        return max(widths + [1])  # no max(default=): torch.compile can't trace it
 
     def tiles(self, batch: tuple[int, int], rows: tuple[int, int], key_chunk: int) -> list[_tiling.Tile]:
         """The key tiles of the queries ``rows`` of the batch entries
@@ -645,7 +641,10 @@ def _probe_score_mod(
     xp, device = chosen.xp, _checks.device_of(query)
     signature = (batch, heads, str(query.dtype), str(device))
     try:
-        probed = _probed_score_mods.setdefault(score_mod, set())
+        # While torch.compile traces, a store keyed by a mod made inside the
+        # compiled function can't be replayed (dynamo can't rebuild the
+        # closure): probed each trace instead, a tile the compiler drops.
+        probed = set() if _tracing.compiling() else _probed_score_mods.setdefault(score_mod, set())
     except TypeError:  # not weakly referable: probed at every call
         probed = set()
     if signature in probed:

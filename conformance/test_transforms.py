@@ -125,6 +125,12 @@ def _family(be, dtype):
         "w_v": be.array(gen.standard_normal(6), dtype),
     }
     lengths = be.array(np.array([5, 2]))
+    # A sliding window of 3 keys in blocks of 2 (empty, full and partial
+    # ones), made outside the traced function as a user makes it.
+    window = attnx.create_block_mask(
+        attnx.mods.sliding_window(3), None, None, 7, 7, block_size=2, backend=be.name, device=be.device
+    )
+    heads = tuple(be.array(gen.standard_normal((2, 2, 7, 4)), dtype) for _ in range(3))
     return {
         "multi_head_attention": (
             lambda x, lengths, w_q: attnx.multi_head_attention(
@@ -140,6 +146,10 @@ def _family(be, dtype):
         "additive_attention, queries in chunks": (
             lambda x, lengths: attnx.additive_attention(x, x, x, add_params, key_lengths=lengths),
             (x, lengths),
+        ),
+        "flex_attention": (
+            lambda q, k, v: attnx.flex_attention(q, k, v, score_mod=attnx.mods.soft_cap(2.0), block_mask=window),
+            heads,
         ),
         "masked_softmax": (lambda x, lengths: attnx.masked_softmax(x, key_lengths=lengths), (x, lengths)),
         "nadaraya_watson": (
@@ -171,6 +181,7 @@ OPERATIONS = [
     "multi_head_attention",
     "additive_attention",
     "additive_attention, queries in chunks",
+    "flex_attention",
     "masked_softmax",
     "nadaraya_watson",
     "apply_rotary",

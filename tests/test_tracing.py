@@ -246,6 +246,40 @@ def test_torch_compile_fullgraph_multi_head_attention(torch):
     torch.testing.assert_close(compiled(x, lengths), layer(x, lengths), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the reference, eager
+def test_torch_compile_fullgraph_flex_attention_as_pytorch_s_users_write_it(torch):
+    """A block mask made outside, a score_mod made inside the compiled
+    function (a closure over a tensor, as in a module's forward), rows of
+    blocks joined into steps: equal to PyTorch's own flex_attention with the
+    same mods.  Dynamo could trace neither ``max(..., default=)`` nor a
+    store keyed by a closure made while it traced."""
+    from torch.nn.attention import flex_attention as pytorch
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 300, 16) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25])
+    window = attnx.create_block_mask(attnx.mods.sliding_window(64), None, None, 300, 300, backend="torch")
+
+    @torch.compile(fullgraph=True)
+    def attend(q, k, v):
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx - kv_idx)
+
+        return attnx.flex_attention(q, k, v, score_mod=alibi, block_mask=window)
+
+    def in_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx <= 64)
+
+    expected = pytorch.flex_attention(
+        q,
+        k,
+        v,
+        score_mod=lambda score, b, h, q_idx, kv_idx: score - slopes[h] * (q_idx - kv_idx),
+        block_mask=pytorch.create_block_mask(in_window, None, None, 300, 300, device="cpu"),
+    )
+    torch.testing.assert_close(attend(q, k, v), expected, rtol=2e-5, atol=2e-6)
+
+
 @pytest.mark.filterwarnings("error::UserWarning")
 def test_torch_compile_in_a_process_that_also_ran_numpy(torch, monkeypatch):
     """attnx's dtype caches hold NumPy's dtypes once NumPy has run; a
