@@ -135,13 +135,12 @@ def jitted(name: str, call: Any, query: Any, size: int) -> None:
 
 
 def jax_tracer(n: int = 8192) -> None:
-    """On JAX's default device (the GPU there), jitted, the blocks a tracer
-    plans with: the CPU's 4 MiB (today's) against larger ones, for
-    flex_attention's sliding window (decided by the thirty-second session's
-    run: the CPU's) and additive attention (before its chunks went through
-    ``lax.map``: the thirty-third session's run).  Each first call holds the
-    compile; the program's length is its equations.  The window eagerly too,
-    where the GPU's blocks apply."""
+    """On JAX's default device (the GPU there), jitted, flex_attention's
+    sliding window with a tracer's blocks of 4, 64 and 512 MiB (the
+    thirty-third session's run gave a GPU's tracers 64 MiB); each first call
+    holds the compile, and the program's length is its equations.  The
+    window eagerly too, where the GPU's blocks apply.  Additive attention's
+    blocks are the ``additive`` stage's."""
     import time
 
     import jax
