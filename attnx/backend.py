@@ -205,7 +205,7 @@ class Backend:
         ``concat``.  A library with a traced loop overrides it (JAX:
         ``lax.map`` under ``jax.jit``), so that a traced program holds one
         chunk's operations rather than each chunk's: additive attention
-        hands its chunks of queries to it.
+        and Nadaraya-Watson hand their chunks of queries to it.
         """
         n = array.shape[-2]
         chunks = [function(array[..., start : min(start + size, n), :]) for start in range(0, max(n, 1), size)]

@@ -108,6 +108,10 @@ def _family_cases():
             lambda be: lambda x, w, b: attnx.causal_conv1d(x, w, b, dilation=2),
             [gen.standard_normal((2, 6)), gen.standard_normal((3, 2, 2)), gen.standard_normal(3)],
         ),
+        "nadaraya_watson, queries in chunks": (  # under BUDGETS' budget
+            lambda be: lambda q, k, v: attnx.nadaraya_watson(q, k, v, bandwidth=0.8),
+            [gen.standard_normal(5), gen.standard_normal(5), gen.standard_normal(5)],
+        ),
         "additive_attention, queries in chunks": (  # under BUDGETS' budget
             lambda be: lambda q, k, w_v: attnx.additive_attention(q, k, k, {**_on(be, add_params), "w_v": w_v}),
             [gen.standard_normal((5, 3)), gen.standard_normal((4, 2)), add_params["w_v"]],
@@ -121,8 +125,9 @@ def _on(be, params):
 
 #: Cases run under a memory budget of so many bytes.  Additive attention's
 #: queries take 128 bytes each in float64 (4 keys x h = 4): its 5 queries go
-#: in chunks of 2 (of 4 in float32), the last shorter.
-BUDGETS = {"additive_attention, queries in chunks": 256}
+#: in chunks of 2 (of 4 in float32), the last shorter; Nadaraya-Watson's
+#: take 40 bytes each (5 keys), in chunks of 2 under 80.
+BUDGETS = {"additive_attention, queries in chunks": 256, "nadaraya_watson, queries in chunks": 80}
 
 
 @pytest.mark.parametrize("operation", list(_family_cases()))

@@ -8,7 +8,7 @@ from array_api_compat import array_namespace
 
 import attnx
 from attnx_conformance import reference
-from attnx_conformance.helpers import assert_close, rng, rounded
+from attnx_conformance.helpers import assert_close, rng, rounded, under_budget
 
 pytestmark = pytest.mark.attnx_operation("nadaraya_watson")
 
@@ -31,6 +31,32 @@ def test_matches_reference(attnx_backend, kernel, d, d_v):
             out, w, expected, expected_w = out[1:, ...], w[1:, ...], expected[1:], expected_w[1:]
         assert_close(out, expected, be, dtype, scale=10)
         assert_close(w, expected_w, be, dtype)
+
+
+@pytest.mark.parametrize("kernel", ["gaussian", "boxcar", "epanechnikov"])
+@pytest.mark.parametrize("d, d_v", [(None, None), (2, 3), (20, None)])
+def test_estimates_in_chunks_of_queries_match_reference(attnx_backend, kernel, d, d_v):
+    """Under a budget of 480 bytes the 7 queries' kernels, 160 bytes a query
+    in float64 (20 keys; 3,200 with 20 features, a difference each), go in
+    chunks of 3 (of 6 in float32; of 1 with 20 features), the last shorter:
+    each estimate as the reference's, the far query's included."""
+    be = attnx_backend
+    gen = rng(41)
+    keys = gen.uniform(0, 5, (20,) if d is None else (20, d))
+    queries = gen.uniform(-1, 6, (7,) if d is None else (7, d))
+    queries[5] = 100.0  # far from every key: zeros for compact kernels
+    values = gen.standard_normal((20,) if d_v is None else (20, d_v))
+    for dtype in be.dtypes:
+        args = [be.array(a, dtype) for a in (queries, keys, values)]
+        with under_budget(480):
+            out = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.7)
+        exact = [rounded(a, be, dtype) for a in (queries, keys, values)]
+        expected, _ = reference.nadaraya_watson(*exact, kernel=kernel, bandwidth=0.7)
+        if kernel == "gaussian":  # the reference's weights underflow far away: its softmax, shifted
+            scores = -0.5 * (np.linalg.norm((exact[1] - exact[0][5]).reshape(20, -1), axis=-1) / 0.7) ** 2
+            weights = np.exp(scores - scores.max())
+            expected[5] = np.tensordot(weights / weights.sum(), exact[2], axes=(0, 0))
+        assert_close(out, expected, be, dtype, scale=10)
 
 
 @pytest.mark.parametrize("kernel, expected", [("boxcar", [0.5, 0.5, 0.0]), ("epanechnikov", [1.0, 0.0, 0.0])])

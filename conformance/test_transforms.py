@@ -156,6 +156,11 @@ def _family(be, dtype):
             lambda q, k, v: attnx.nadaraya_watson(q, k, v, bandwidth=0.7),
             tuple(be.array(gen.standard_normal(s), dtype) for s in (4, 9, 9)),
         ),
+        # Under a budget (BUDGETS), through the backend's map_chunks.
+        "nadaraya_watson, queries in chunks": (
+            lambda q, k, v: attnx.nadaraya_watson(q, k, v, bandwidth=0.7),
+            tuple(be.array(gen.standard_normal(s), dtype) for s in ((5, 2), (9, 2), (9, 3))),
+        ),
         "apply_rotary": (
             lambda x, positions: attnx.apply_rotary(x, positions),
             (x, be.array(np.array([3, 0, 7, 1, 2]))),
@@ -174,8 +179,10 @@ def _family(be, dtype):
 #: Cases run under a memory budget of so many bytes.  Additive attention's
 #: queries take 480 bytes each in float64 (2 x 5 keys x h = 6): its 5 queries
 #: go in chunks of 2 (of 4 in float32), the last shorter, through the
-#: backend's map_chunks (a traced loop where it overrides it).
-BUDGETS = {"additive_attention, queries in chunks": 960}
+#: backend's map_chunks (a traced loop where it overrides it).  Nadaraya-
+#: Watson's take 72 bytes each in float64 (9 keys): its 5 queries go in
+#: chunks of 2 the same way.
+BUDGETS = {"additive_attention, queries in chunks": 960, "nadaraya_watson, queries in chunks": 144}
 
 OPERATIONS = [
     "multi_head_attention",
@@ -184,6 +191,7 @@ OPERATIONS = [
     "flex_attention",
     "masked_softmax",
     "nadaraya_watson",
+    "nadaraya_watson, queries in chunks",
     "apply_rotary",
     "causal_conv1d",
 ]

@@ -122,3 +122,22 @@ def test_additive_attention_holds_one_block_of_its_intermediate():
     weights = np.exp(np.tanh(q[:, None, :] + k[None, :, :]) @ params["w_v"])
     expected = weights / weights.sum(-1, keepdims=True) @ x[0].astype(np.float64)
     np.testing.assert_allclose(out[0, :3], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("features", [None, 2, 32], ids=["scalar", "2-features", "32-features"])
+def test_kernel_regression_holds_one_block_of_its_kernel(features):
+    """Nadaraya-Watson's estimate takes its queries in chunks whose kernel
+    ``(chunk, m)`` (``(chunk, m, d)`` of differences past 16 features) fits
+    one block: at n = m = 2048 in float64, whole, the kernel and the arrays
+    made beside it held 96 MiB at their peak (32 features: 2 GiB)."""
+    gen = np.random.default_rng(0)
+    n = 2048
+    shape = (n,) if features is None else (n, features)
+    queries, keys = gen.standard_normal(shape), gen.standard_normal(shape)
+    values = gen.standard_normal(n)
+    peak, out = peak_bytes(lambda: attnx.nadaraya_watson(queries, keys, values, bandwidth=0.5))
+    limit = 4 * attnx.get_memory_budget()
+    assert peak <= limit, f"peak {peak / MiB:.1f} MiB over {limit / MiB:.0f} MiB"
+    rows = [0, n // 2, n - 1]
+    expected, _ = reference.nadaraya_watson(queries[rows], keys, values, bandwidth=0.5)
+    np.testing.assert_allclose(out[rows], expected, rtol=1e-10)
