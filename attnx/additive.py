@@ -52,8 +52,9 @@ def additive_attention(
     The ``(..., n, m, h)`` intermediate is never held whole: queries go in
     chunks whose ``(..., chunk, m, h)`` part fits one block of the backend
     (:meth:`attnx.Backend.block_bytes_on` the inputs' device, within the
-    memory budget: 4 MiB on the CPU, 512 MiB on a GPU), one query at least,
-    through the backend's :meth:`~attnx.Backend.map_chunks` (under
+    memory budget: 4 MiB on the CPU, 512 MiB on a GPU; 16 MiB at least where
+    a tracer unrolls the chunks, as ``torch.compile`` does), one query at
+    least, through the backend's :meth:`~attnx.Backend.map_chunks` (under
     ``jax.jit``, one ``lax.map``: the traced program holds one chunk).
 
     Native implementations (:meth:`attnx.Backend.implementations`) are
@@ -88,10 +89,7 @@ def additive_attention(
 def _call(chosen: Any, reason: str, arguments: dict[str, Any]) -> Any:
     """The backend's native additive attention, else the generic one in
     chunks of the block size of the query's device."""
-    options = {
-        "block_bytes": chosen.block_bytes_on(_checks.device_of(arguments["query"])),
-        "map_chunks": chosen.map_chunks,
-    }
+    options = {"block_bytes": _tiling.chunk_bytes(chosen, arguments["query"]), "map_chunks": chosen.map_chunks}
     return _dispatch.call(_ADD, chosen, reason, _additive_generic, arguments, options)
 
 
