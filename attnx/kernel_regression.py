@@ -84,8 +84,8 @@ def nadaraya_watson(
     ``torch.compile`` does), one query at least, through the backend's
     :meth:`~attnx.Backend.map_chunks` (under ``jax.jit``, one ``lax.map``).
     At n = m = 2048 in float64 on NumPy the peak is 12 MiB where the whole
-    kernel and the arrays beside it took 96 MiB, and at n = m = 4096 the
-    time is 0.44x what it was whole.
+    kernel and the arrays beside it took 96 MiB (bench/RESULTS.md has the
+    times: 0.6-0.8x of whole where the allocator keeps freed memory).
 
     A query that no key reaches (compact kernels) gets zeros, never NaN.
     With the gaussian, a query gets the value of its nearest key (the mean
