@@ -13,15 +13,23 @@ from attnx_conformance.helpers import assert_close, rng, rounded, under_budget
 pytestmark = pytest.mark.attnx_operation("nadaraya_watson")
 
 
+def _inputs(seed, d, d_v, far):
+    """7 queries and 20 keys of ``d`` features (scalars where None), values
+    of width ``d_v``; the query ``far`` far from every key (zeros for the
+    compact kernels)."""
+    gen = rng(seed)
+    keys = gen.uniform(0, 5, (20,) if d is None else (20, d))
+    queries = gen.uniform(-1, 6, (7,) if d is None else (7, d))
+    queries[far] = 100.0
+    values = gen.standard_normal((20,) if d_v is None else (20, d_v))
+    return queries, keys, values
+
+
 @pytest.mark.parametrize("kernel", ["gaussian", "boxcar", "epanechnikov"])
 @pytest.mark.parametrize("d, d_v", [(None, None), (None, 3), (2, None), (3, 2), (20, 2)])
 def test_matches_reference(attnx_backend, kernel, d, d_v):
     be = attnx_backend
-    gen = rng(40)
-    keys = gen.uniform(0, 5, (20,) if d is None else (20, d))
-    queries = gen.uniform(-1, 6, (7,) if d is None else (7, d))
-    queries[0] = 100.0  # far from every key: zeros for compact kernels
-    values = gen.standard_normal((20,) if d_v is None else (20, d_v))
+    queries, keys, values = _inputs(40, d, d_v, far=0)
     for dtype in be.dtypes:
         args = [be.array(a, dtype) for a in (queries, keys, values)]
         out, w = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.7, return_weights=True)
@@ -41,11 +49,7 @@ def test_estimates_in_chunks_of_queries_match_reference(attnx_backend, kernel, d
     chunks of 3 (of 6 in float32; of 1 with 20 features), the last shorter:
     each estimate as the reference's, the far query's included."""
     be = attnx_backend
-    gen = rng(41)
-    keys = gen.uniform(0, 5, (20,) if d is None else (20, d))
-    queries = gen.uniform(-1, 6, (7,) if d is None else (7, d))
-    queries[5] = 100.0  # far from every key: zeros for compact kernels
-    values = gen.standard_normal((20,) if d_v is None else (20, d_v))
+    queries, keys, values = _inputs(41, d, d_v, far=5)
     for dtype in be.dtypes:
         args = [be.array(a, dtype) for a in (queries, keys, values)]
         with under_budget(480):
