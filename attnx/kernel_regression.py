@@ -208,12 +208,12 @@ def _nadaraya_watson_generic(
         return estimate, weights
     n, m = queries.shape[0], keys.shape[0]
     width = keys.shape[1] if keys.ndim == 2 else 1
-    step = n
-    if _checks.known(n, m, width):  # else one chunk: a lazy library's arrays come in chunks of their own
+    step = None  # one chunk where a size is unknown: a lazy library's arrays come in chunks of their own
+    if _checks.known(n, m, width):
         features = width if width > _FEATURES_ONE_AT_A_TIME else 1
         per_query = _tiling.itemsize(xp, dtype) * max(1, m) * features
         step = max(1, _tiling.bytes_per_block(1, block_bytes) // per_query)
-    if n <= step:  # one chunk
+    if step is None or n <= step:  # one chunk
         state = kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth, xp=xp)
         return finish_state(state, values, dtype=dtype, xp=xp)
     queries, keys, values, bandwidth = _in_state_dtype(xp, queries, keys, values, bandwidth)
