@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
+from hypothesis import HealthCheck, settings
 
 from attnx_conformance.tolerances import tolerance
 
 RNG_SEED = 20261121
+
+#: Examples per property: 25 keeps the suite quick; ``ATTNX_TEST_EXAMPLES=1000``
+#: makes a longer hunt for rare inputs.
+EXAMPLES = int(os.environ.get("ATTNX_TEST_EXAMPLES", "25"))
+#: The properties' settings.  No example database: running the suite leaves
+#: nothing in the user's folder.
+PROPERTY_SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 
 def rng(*salt: int) -> np.random.Generator:

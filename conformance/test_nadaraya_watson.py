@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from array_api_compat import array_namespace
+from hypothesis import given
+from hypothesis import strategies as st
 
 import attnx
 from attnx_conformance import reference
-from attnx_conformance.helpers import assert_close, rng, rounded, under_budget
+from attnx_conformance.helpers import PROPERTY_SETTINGS, assert_close, rng, rounded, tolerances, under_budget
 
 pytestmark = pytest.mark.attnx_operation("nadaraya_watson")
 
@@ -61,6 +63,31 @@ def test_estimates_in_chunks_of_queries_match_reference(attnx_backend, kernel, d
             weights = np.exp(scores - scores.max())
             expected[5] = np.tensordot(weights / weights.sum(), exact[2], axes=(0, 0))
         assert_close(out, expected, be, dtype, scale=10)
+
+
+@PROPERTY_SETTINGS
+@given(
+    n=st.integers(1, 9),
+    m=st.integers(0, 9),
+    features=st.sampled_from([None, 1, 3, 18]),
+    d_v=st.sampled_from([None, 2]),
+    kernel=st.sampled_from(["gaussian", "boxcar", "epanechnikov"]),
+    budget=st.sampled_from([8, 100, 700]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_estimates_do_not_depend_on_the_chunks(attnx_backend, n, m, features, d_v, kernel, budget, seed):
+    """Queries in chunks of any size (a budget of 8 bytes: one query a
+    chunk), no keys at all included, give the estimates of one chunk."""
+    be = attnx_backend
+    gen = np.random.default_rng(seed)
+    shape = (lambda rows: (rows,)) if features is None else (lambda rows: (rows, features))
+    queries, keys = gen.uniform(-2, 2, shape(n)), gen.uniform(-2, 2, shape(m))
+    values = gen.standard_normal((m,) if d_v is None else (m, d_v))
+    args = [be.array(a, "float64") for a in (queries, keys, values)]
+    whole = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.6)
+    with under_budget(budget):
+        chunked = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.6)
+    np.testing.assert_allclose(be.numpy(chunked), be.numpy(whole), **tolerances(be))
 
 
 @pytest.mark.parametrize("kernel, expected", [("boxcar", [0.5, 0.5, 0.0]), ("epanechnikov", [1.0, 0.0, 0.0])])

@@ -3,29 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import attnx
 from attnx_conformance import reference
-from attnx_conformance.helpers import assert_close, rounded, tolerances
+from attnx_conformance.helpers import PROPERTY_SETTINGS, assert_close, rounded, tolerances
 
 pytestmark = pytest.mark.attnx_operation("scaled_dot_product_attention")
 
-#: Examples per property: 25 keeps the suite quick; ``ATTNX_TEST_EXAMPLES=1000``
-#: makes a longer hunt for rare inputs.
-EXAMPLES = int(os.environ.get("ATTNX_TEST_EXAMPLES", "25"))
-#: No example database: running the suite leaves nothing in the user's folder.
-SETTINGS = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+SETTINGS = PROPERTY_SETTINGS
 
 
 @st.composite
