@@ -93,6 +93,12 @@ def chunk_bytes(backend: Backend, array: Any) -> int:
     return block_bytes
 
 
+def rows_per_chunk(block_bytes: int, row_bytes: int) -> int:
+    """Rows of ``row_bytes`` each that one chunk of :func:`chunk_bytes`
+    holds within the memory budget: one at least."""
+    return max(1, bytes_per_block(1, block_bytes) // max(1, row_bytes))
+
+
 def itemsize(xp: Any, dtype: Any) -> int:
     """Bytes per score for inputs of ``dtype`` (half precision computes in float32)."""
     return 4 if _checks.accumulation_dtype(xp, dtype) == xp.float32 else 8

@@ -150,8 +150,7 @@ def additive_scores(
     # Sizes unknown (Dask, after a selection) count as 1: the chunks are then
     # planned on the known sizes alone.
     sizes = [size for size in (*_checks.leading_shape(q, k, k), m, hidden) if _checks.known(size)]
-    per_query = _tiling.itemsize(xp, q.dtype) * max(1, math.prod(sizes))
-    step = max(1, _tiling.bytes_per_block(1, block_bytes) // per_query)
+    step = _tiling.rows_per_chunk(block_bytes, _tiling.itemsize(xp, q.dtype) * math.prod(sizes))
     k = k[..., None, :, :]
 
     def scores_of(chunk: Any) -> Any:  # (..., c, h) -> (..., c, m)

@@ -211,8 +211,7 @@ def _nadaraya_watson_generic(
     step = None  # one chunk where a size is unknown: a lazy library's arrays come in chunks of their own
     if _checks.known(n, m, width):
         features = width if width > _FEATURES_ONE_AT_A_TIME else 1
-        per_query = _tiling.itemsize(xp, dtype) * max(1, m) * features
-        step = max(1, _tiling.bytes_per_block(1, block_bytes) // per_query)
+        step = _tiling.rows_per_chunk(block_bytes, _tiling.itemsize(xp, dtype) * m * features)
     if step is None or n <= step:  # one chunk
         state = kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth, xp=xp)
         return finish_state(state, values, dtype=dtype, xp=xp)
