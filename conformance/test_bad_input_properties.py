@@ -21,7 +21,6 @@ failure: the user would get a message that doesn't say what they did wrong.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,12 +32,11 @@ from hypothesis import strategies as st
 
 import attnx
 from attnx_conformance import reference
-from attnx_conformance.helpers import rounded
+from attnx_conformance.helpers import EXAMPLES, rounded
 from attnx_conformance.tolerances import tolerance
 
 pytestmark = pytest.mark.attnx_operation("bad_input")
 
-EXAMPLES = int(os.environ.get("ATTNX_TEST_EXAMPLES", "25"))
 SETTINGS = settings(
     max_examples=4 * EXAMPLES,
     deadline=None,

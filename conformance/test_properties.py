@@ -15,8 +15,6 @@ from attnx_conformance.helpers import PROPERTY_SETTINGS, assert_close, rounded, 
 
 pytestmark = pytest.mark.attnx_operation("scaled_dot_product_attention")
 
-SETTINGS = PROPERTY_SETTINGS
-
 
 @st.composite
 def problems(draw, causal=st.booleans(), min_n=1):
@@ -46,7 +44,7 @@ def _allowed(mask, causal, n, m):
     return allowed
 
 
-@SETTINGS
+@PROPERTY_SETTINGS
 @given(problem=problems())
 def test_weights_are_a_distribution_or_zero(attnx_backend, problem):
     q, k, v, mask, causal = problem
@@ -60,7 +58,7 @@ def test_weights_are_a_distribution_or_zero(attnx_backend, problem):
     assert (w[..., ~allowed] == 0).all(), "masked weights must be exactly zero"
 
 
-@SETTINGS
+@PROPERTY_SETTINGS
 @given(problem=problems(causal=st.just(True), min_n=2), data=st.data())
 def test_causal_output_ignores_the_future(attnx_backend, problem, data):
     q, k, v, _, _ = problem
@@ -77,7 +75,7 @@ def test_causal_output_ignores_the_future(attnx_backend, problem, data):
     np.testing.assert_array_equal(out[..., : split + 1, :], out2[..., : split + 1, :])
 
 
-@SETTINGS
+@PROPERTY_SETTINGS
 @given(problem=problems(causal=st.just(False)), seed=st.integers(0, 1000))
 def test_self_attention_is_permutation_equivariant(attnx_backend, problem, seed):
     x, _, _, _, _ = problem
@@ -87,7 +85,7 @@ def test_self_attention_is_permutation_equivariant(attnx_backend, problem, seed)
     np.testing.assert_allclose(out_perm, out[..., perm, :], **tolerances(attnx_backend))
 
 
-@SETTINGS
+@PROPERTY_SETTINGS
 @given(problem=problems(), shift=st.floats(-50, 50))
 def test_adding_a_constant_to_a_row_changes_nothing(attnx_backend, problem, shift):
     q, k, v, mask, causal = problem
@@ -101,7 +99,7 @@ def test_adding_a_constant_to_a_row_changes_nothing(attnx_backend, problem, shif
     np.testing.assert_allclose(be.numpy(out1), be.numpy(out0), **tolerances(be, factor=10))
 
 
-@SETTINGS
+@PROPERTY_SETTINGS
 @given(problem=problems(), query_chunk=st.integers(1, 7), key_chunk=st.integers(1, 7), with_lengths=st.booleans())
 def test_chunked_algorithm_computes_the_plain_one(attnx_backend, problem, query_chunk, key_chunk, with_lengths):
     """The memory-efficient algorithm (any block sizes) equals the plain one."""
@@ -139,7 +137,7 @@ def block_plans(draw):
     return q, k, v, causal, chunk_size, budget
 
 
-@SETTINGS
+@PROPERTY_SETTINGS
 @given(problem=block_plans())
 def test_every_block_plan_computes_attention(attnx_backend, problem):
     """However the work is cut (explicit chunks, a memory budget that splits
@@ -177,7 +175,7 @@ def call_sequences(draw, dtypes):
     return draw(st.lists(signature, min_size=2, max_size=10)), draw(st.integers(0, 2**32 - 1))
 
 
-@SETTINGS
+@PROPERTY_SETTINGS
 @given(data=st.data())
 def test_each_call_of_a_sequence_computes_its_own_attention(attnx_backend, data):
     """Whatever calls came before, each computes its own attention: a
