@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from attnx import Backend, hookimpl
@@ -14,6 +15,8 @@ class CuPyBackend(Backend):
     array_module = "cupy"
     float_dtypes = ("float32", "float64", "float16")
     block_bytes = GPU_BLOCK_BYTES  # a GPU's blocks: launches, not cache, set their size
+
+    _natives: Mapping[str, Callable[..., Any]] | None = None
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("cupy") is None:
@@ -60,6 +63,16 @@ class CuPyBackend(Backend):
 
     def to_numpy(self, array: Any) -> Any:
         return array.get()
+
+    def implementations(self) -> Mapping[str, Callable[..., Any]]:
+        if self._natives is None:
+            from functools import partial
+
+            from . import cupy_attention
+
+            sdpa = partial(cupy_attention.scaled_dot_product_attention, backend=self)
+            self._natives = {"scaled_dot_product_attention": sdpa}
+        return self._natives
 
     def synchronize(self, device: Any = None) -> None:
         import cupy

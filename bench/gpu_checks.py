@@ -1,7 +1,7 @@
 """The GPU items of ``bench/RESULTS.md`` ("For the next lent GPU"), timed in
 one process against baselines measured in the same run.
 
-    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown]   # on a machine with CUDA, CuPy and PyTorch
+    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native]   # on a machine with CUDA, CuPy and PyTorch
 
 Each row is :func:`attnx.benchmark.run_case`, as ``attnx bench`` times it
 (the median of at least 5 synchronised calls and 0.25 s, and the peak
@@ -21,7 +21,10 @@ the plan attnx made before the change measured:
   call's compile; additive attention's likewise (``additive``), its
   chunks of queries in ``lax.map``;
 - where SDPA on CuPy spends its time (``breakdown``): each pass of a
-  textbook attention, and one with the row softmax fused into a kernel.
+  textbook attention, and one with the row softmax fused into a kernel;
+- the CuPy native of SDPA with that kernel (``native``): its outputs
+  against the generic algorithm's, its time against the generic
+  algorithm's and PyTorch's SDPA, and causal calls by their blocks of rows.
 
 The window's anchor is PyTorch's compiled FlexAttention, in the same run.
 Dask arrays of CuPy chunks are checked by ``tests/test_dask_cupy.py``.
@@ -179,41 +182,6 @@ def additive() -> None:
         jitted(f"additive {n}", lambda q: attnx.additive_attention(q, q, q, params), part, size)
 
 
-#: One block per row of scores: exp(s - max) in place and the row's sum, in
-#: one kernel (the row's second read comes from L2).  A candidate for a
-#: CuPy native, timed beside the passes the generic algorithm makes.
-ROW_SOFTMAX = r"""
-extern "C" __global__ void row_softmax(float* scores, float* totals, const int m) {
-    float* row = scores + (long long)blockIdx.x * m;
-    __shared__ float partial[32];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-    const float minus_infinity = __int_as_float(0xff800000);
-    float most = minus_infinity;
-    for (int j = threadIdx.x; j < m; j += blockDim.x) most = fmaxf(most, row[j]);
-    for (int o = 16; o > 0; o >>= 1) most = fmaxf(most, __shfl_xor_sync(0xffffffff, most, o));
-    if (lane == 0) partial[warp] = most;
-    __syncthreads();
-    most = minus_infinity;
-    for (int w = 0; w < warps; ++w) most = fmaxf(most, partial[w]);
-    __syncthreads();
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < m; j += blockDim.x) {
-        const float e = expf(row[j] - most);
-        row[j] = e;
-        sum += e;
-    }
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
-    if (lane == 0) partial[warp] = sum;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float total = 0.0f;
-        for (int w = 0; w < warps; ++w) total += partial[w];
-        totals[blockIdx.x] = total;
-    }
-}
-"""
-
-
 def breakdown() -> None:
     """Where attnx's SDPA on CuPy spends its time, (1, 8, 8192, 64) float32:
     PyTorch's SDPA and attnx's as ``attnx bench`` times them, then each
@@ -232,12 +200,10 @@ def breakdown() -> None:
     scale = 64**-0.5
     scores = (q * scale) @ k.swapaxes(-1, -2)
     exp_scores = cp.exp(scores - scores.max(-1, keepdims=True))
-    totals = cp.empty((8 * 8192,), dtype=cp.float32)
-    kernel = cp.RawKernel(ROW_SOFTMAX, "row_softmax")
+    from attnx_backends.cupy_attention import cupy_row_softmax  # the CuPy native's kernel
 
     def fused_softmax(s):
-        kernel((8 * 8192,), (1024,), (s, totals, cp.int32(8192)))
-        return s
+        return s, cupy_row_softmax(s.reshape(8 * 8192, 8192), None, 0)[1]
 
     def textbook():
         s = (q * scale) @ k.swapaxes(-1, -2)
@@ -245,7 +211,7 @@ def breakdown() -> None:
         return (e @ v) / e.sum(-1, keepdims=True)
 
     def fused():
-        s = fused_softmax((q * scale) @ k.swapaxes(-1, -2))
+        s, totals = fused_softmax((q * scale) @ k.swapaxes(-1, -2))
         return (s @ v) / totals.reshape(8, 8192, 1)
 
     expected = textbook()
@@ -268,8 +234,93 @@ def breakdown() -> None:
     print(json.dumps({"row": "fused against textbook, max abs difference", "value": error}), flush=True)
 
 
+@contextlib.contextmanager
+def generic_on_cupy() -> Any:
+    """attnx's generic algorithm on CuPy: the backend's natives set aside."""
+    backend = attnx._registry.get("cupy")
+    backend._natives = {}
+    try:
+        yield
+    finally:
+        backend._natives = None  # built again at the next call
+
+
+def native() -> None:
+    """The CuPy native of SDPA (``attnx_backends.cupy_attention``): first its
+    outputs against the generic algorithm's on CuPy (masks, key lengths,
+    causal, a chunk_size that joins blocks of keys, float64 and float16), then
+    its time against the generic algorithm's and PyTorch's SDPA, each in this
+    process; then causal calls by the blocks of rows they are cut into."""
+    import cupy as cp
+
+    from attnx_backends import cupy_attention
+
+    gen = cp.random.default_rng(0)
+
+    def inputs(shape, dtype="float32"):
+        return [gen.standard_normal(shape, dtype=cp.float32).astype(dtype) for _ in range(3)]
+
+    n, m = 300, 257
+    q, k, v = inputs((2, 4, n, 64))
+    q64, k64, v64 = (a.astype(cp.float64) for a in (q, k, v))
+    cases = {
+        "plain": (q, k, v, {}),
+        "causal": (q, k[..., :n, :], v[..., :n, :], {"is_causal": True}),
+        "causal, n > m": (q, k, v, {"is_causal": True}),
+        "key_lengths": (q, k, v, {"key_lengths": cp.asarray([0, 100])}),
+        "key_lengths per query": (q, k, v, {"key_lengths": gen.integers(0, m + 1, (2, 4, n))}),
+        "boolean mask": (q, k, v, {"mask": gen.random((n, m)) < 0.5}),
+        "additive mask": (q, k, v, {"mask": gen.standard_normal((n, m), dtype=cp.float32)}),
+        "mask of each slice (declined)": (q, k, v, {"mask": gen.random((2, 4, n, m)) < 0.5}),
+        "chunk_size (64, 100)": (q, k, v, {"chunk_size": (64, 100), "is_causal": True}),
+        "float64": (q64, k64, v64, {"is_causal": True, "key_lengths": cp.asarray([3, 257])}),
+        "float16": (*(a.astype(cp.float16) for a in (q, k, v)), {"is_causal": True}),
+    }
+    for name, (query, key, value, options) in cases.items():
+        try:
+            got = attnx.scaled_dot_product_attention(query, key, value, **options)
+            with generic_on_cupy():
+                expected = attnx.scaled_dot_product_attention(query, key, value, **options)
+            scale = float(cp.abs(expected.astype(cp.float64)).max()) or 1.0
+            error = float(cp.abs(got.astype(cp.float64) - expected.astype(cp.float64)).max()) / scale
+            finite = bool(cp.isfinite(got).all())
+            line = {"row": f"native against generic: {name}", "relative_error": error, "finite": finite}
+        except Exception as exc:  # every case reports
+            line = {"row": f"native against generic: {name}", "error": repr(exc)}
+        print(json.dumps(line), flush=True)
+    for batch, heads, size in ((1, 8, 512), (1, 8, 2048), (1, 8, 8192), (16, 8, 1024)):
+        for operation in ("sdpa", "sdpa_causal"):
+            shape = dict(operation=operation, batch=batch, heads=heads, n=size, head_dim=64, device=CUDA, repeat=10)
+            anchor = row(f"torch-sdpa {operation} {batch}x{size}", Case("torch-sdpa", **shape))
+            fused = row(f"cupy native {operation} {batch}x{size}", Case("attnx:cupy", **shape))
+            with generic_on_cupy():
+                generic = row(f"cupy generic {operation} {batch}x{size}", Case("attnx:cupy", **shape))
+            ratio(fused, anchor)
+            ratio(generic, anchor)
+            ratio(fused, generic)
+    for size in (2048, 8192):
+        shape = dict(operation="sdpa_causal", batch=1, heads=8, n=size, head_dim=64, device=CUDA, repeat=10)
+        lines = {}
+        for splits in (1, 2, 4, 8):
+            cupy_attention.CAUSAL_SPLITS = splits
+            lines[splits] = row(f"cupy native causal {size}, {splits} blocks of rows", Case("attnx:cupy", **shape))
+        cupy_attention.CAUSAL_SPLITS = 4
+        for splits in (1, 2, 8):
+            ratio(lines[splits], lines[4])
+    shape = dict(operation="sdpa", batch=1, heads=8, n=8192, head_dim=64, device=CUDA, repeat=10, dtype="float16")
+    anchor = row("torch-sdpa float16 8192", Case("torch-sdpa", **shape))
+    ratio(row("cupy native float16 8192", Case("attnx:cupy", **shape)), anchor)
+
+
 if __name__ == "__main__":
-    functions = {"window": window, "family": family, "jax": jax_tracer, "additive": additive, "breakdown": breakdown}
+    functions = {
+        "window": window,
+        "family": family,
+        "jax": jax_tracer,
+        "additive": additive,
+        "breakdown": breakdown,
+        "native": native,
+    }
     for stage in sys.argv[1:] or ["window", "family"]:  # in the order named: the first is the surest to finish
         try:
             functions[stage]()

@@ -9,8 +9,9 @@
 #     bash bench/gpu_session.sh family   # the family's other operations timed, and SDPA in float16
 #     bash bench/gpu_session.sh checks   # bench/gpu_checks.py and tests/test_dask_cupy.py, then the three suites
 #     (the stages bench/RESULTS.md's "For the next lent GPU" lists, in its order: CHECKS="window"
-#     for that stage alone; SKIP_SUITES=1 to stop before the suites; SKIP_DASK=1 to stop
-#     after the checks, before the Dask-on-CuPy tests)
+#     for that stage alone; SKIP_DASK=1 to go from the checks to the suites, past the
+#     Dask-on-CuPy tests; SKIP_SUITES=1 to stop before the suites; SUITES="cupy jax" for
+#     some of them)
 # The checks' Dask travels as wheels too:
 #     pip download --no-deps -d .whl dask==2026.8.0 partd==1.4.2 locket==1.0.0
 # Logs and the benchmark's report go to $OUT; the figures are written up in
@@ -57,7 +58,7 @@ fi
 if [ "${1:-}" = checks ]; then
     timeout "${BENCH_SECONDS:-170}" python3 "$REPO/bench/gpu_checks.py" ${CHECKS:-additive} >"$OUT/checks.log" 2>&1
     echo "checks: exit $? after $((SECONDS - start)) s"
-    [ -n "${SKIP_DASK:-}" ] && exit 0
+    if [ -z "${SKIP_DASK:-}" ]; then
     timeout 120 python3 -m pytest "$REPO/tests/test_dask_cupy.py" -rA -p no:cacheprovider --rootdir "$REPO" \
         -c /dev/null >"$OUT/dask-cupy.log" 2>&1
     echo "dask on cupy: exit $? after $((SECONDS - start)) s: $(tail -n 1 "$OUT/dask-cupy.log")"
@@ -65,6 +66,7 @@ if [ "${1:-}" = checks ]; then
     timeout "${DASK_SUITE_SECONDS:-180}" attnx conformance dask --device cupy -vv --tb=short -n 8 \
         -p no:cacheprovider >"$OUT/conformance-dask-cupy.log" 2>&1
     echo "conformance dask on cupy: exit $? after $((SECONDS - start)) s: $(tail -n 1 "$OUT/conformance-dask-cupy.log")"
+    fi
     [ -n "${SKIP_SUITES:-}" ] && exit 0
 else
     # Two runs, so that a run cut short keeps the first's report.
@@ -81,7 +83,9 @@ suite() {  # backend, seconds, workers, then any options for it
     echo "conformance $backend: exit $? after $((SECONDS - start)) s: $(tail -n 1 "$OUT/conformance-$backend.log")"
 }
 # 15 of the 16 cores; JAX compiles every case, so it has the most.
-suite torch 200 4 --device cuda:0 &
-suite cupy 200 4 --device cuda:0 &
-suite jax 240 7 & # JAX's default device is the GPU where its CUDA plugin is installed
+SUITES=${SUITES:-torch cupy jax}
+case " $SUITES " in *" torch "*) suite torch 200 4 --device cuda:0 & ;; esac
+case " $SUITES " in *" cupy "*) suite cupy 200 4 --device cuda:0 & ;; esac
+# JAX's default device is the GPU where its CUDA plugin is installed.
+case " $SUITES " in *" jax "*) suite jax "${JAX_SECONDS:-240}" 7 & ;; esac
 wait

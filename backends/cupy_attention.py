@@ -1,0 +1,328 @@
+"""The CuPy backend's native scaled dot-product attention: the softmax of a
+block of scores in one kernel.
+
+The generic algorithm (array API only) takes a row's maximum, subtracts it
+into a new array, exponentiates, and sums: each a pass over the whole block
+of scores in GPU memory, and together 57% of a textbook attention's time on
+an H200 at (1, 8, 8192, 64) (bench/RESULTS.md, fifth GPU run), where the two
+matrix products were 39%.  Here one kernel (:data:`ROW_SOFTMAX_SOURCE`, a
+block of threads per row) reads each row twice from L2 and writes its
+exponentials in place, with the row's maximum and sum; the output of the
+values' product is divided by the sums, an ``(n, d_v)`` array rather than
+the ``(n, m)`` weights.
+
+The causal rule and ``key_lengths`` reach the kernel as one number per row,
+the keys it may attend (:func:`_row_limits`): no mask is built or applied.
+A ``mask`` is added to (or applied to) the scores before the kernel; one
+with leading axes of its own over several slices is declined to the generic
+algorithm, which cuts such masks by batch (laid out by slice, it would be as
+large as the scores).  A row with no key to attend gets zeros, as attnx's
+algorithm gives.
+
+Blocks hold whole rows of keys where the memory budget allows
+(:func:`plan`), so most calls need no running maximum; where they don't
+(a small budget, or a ``chunk_size`` the user gave), the blocks of keys are
+combined by the online softmax, each block's maximum and sum from the
+kernel.
+
+The blocking (:func:`attend`) is plain NumPy-style code over ``xp``, the
+array's namespace, with the row softmax passed in; on the CPU the tests run
+it with a row softmax written in NumPy, so that only the kernel needs a GPU
+(the conformance suite on CuPy checks the whole).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+from attnx import get_memory_budget, natives
+from attnx.natives import MIN_ROWS
+
+#: Causal calls are cut into this many blocks of rows at most (each of at
+#: least MIN_ROWS rows), each computing the keys up to its last row's
+#: diagonal: 5/8 of the square's scores with 4 blocks, for three more rounds
+#: of launches.
+CAUSAL_SPLITS = 4
+#: Keys a block holds at least, where the budget can't hold whole rows (the
+#: generic algorithm's floor, below which the products lose their efficiency).
+MIN_KEYS = 512
+
+#: The row softmax, written once for ``T`` (float or double: :func:`kernel_source`).  A block of
+#: threads per row of ``width`` scores; the row's keys from ``limit`` on
+#: (the causal rule, the key lengths: ``limits[row] - first_key``) weigh 0.
+#: The maximum propagates NaN, as a NaN score propagates it in attnx's
+#: algorithm; a row whose allowed scores are all ``-inf`` (or that has none)
+#: gets zeros, a sum of 0 and a maximum of ``-inf``.
+ROW_SOFTMAX_SOURCE = r"""
+__device__ __forceinline__ T nan_max(T a, T b) { return (a != a || a > b) ? a : b; }
+
+extern "C" __global__ void KERNEL_NAME(T* scores, T* maxima, T* totals, const int* limits,
+                                const int has_limits, const int width, const int first_key) {
+    const long long r = blockIdx.x;
+    T* row = scores + r * (long long)width;
+    int limit = width;
+    if (has_limits) {
+        limit = limits[r] - first_key;
+        limit = limit < 0 ? 0 : (limit > width ? width : limit);
+    }
+    __shared__ T partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const T minus_infinity = MINUS_INFINITY;
+    T most = minus_infinity;
+    for (int j = threadIdx.x; j < limit; j += blockDim.x) most = nan_max(most, row[j]);
+    for (int o = 16; o > 0; o >>= 1) most = nan_max(most, __shfl_xor_sync(0xffffffff, most, o));
+    if (lane == 0) partial[warp] = most;
+    __syncthreads();
+    most = minus_infinity;
+    for (int w = 0; w < warps; ++w) most = nan_max(most, partial[w]);
+    __syncthreads();
+    const bool none = most == minus_infinity;
+    T sum = 0;
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+        const T e = (j < limit && !none) ? EXP(row[j] - most) : (T)0;
+        row[j] = e;
+        sum += e;
+    }
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    if (lane == 0) partial[warp] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        T total = 0;
+        for (int w = 0; w < warps; ++w) total += partial[w];
+        totals[r] = total;
+        maxima[r] = most;
+    }
+}
+"""
+
+#: Per dtype: the C type, its exponential, and -inf (NVRTC defines no INFINITY).
+_TYPES = {
+    "float32": ("float", "expf", "__int_as_float(0xff800000)"),
+    "float64": ("double", "exp", "__longlong_as_double(0xfff0000000000000LL)"),
+}
+
+#: A row softmax: ``(scores, limits, first_key) -> (maxima, totals)``, the
+#: scores ``(count, width)`` turned into their exponentials in place.
+RowSoftmax = Callable[[Any, Any, int], tuple[Any, Any]]
+
+
+def kernel_source(dtype_name: str) -> str:
+    """The row softmax's CUDA source for ``"float32"`` or ``"float64"``."""
+    c_type, exponential, minus_infinity = _TYPES[dtype_name]
+    header = f"typedef {c_type} T;\n#define EXP {exponential}\n#define MINUS_INFINITY {minus_infinity}\n"
+    return header + ROW_SOFTMAX_SOURCE.replace("KERNEL_NAME", f"row_softmax_{dtype_name}")
+
+
+@functools.cache
+def _kernel(dtype_name: str) -> Any:
+    import cupy
+
+    return cupy.RawKernel(kernel_source(dtype_name), f"row_softmax_{dtype_name}")
+
+
+def cupy_row_softmax(scores: Any, limits: Any, first_key: int) -> tuple[Any, Any]:
+    """:data:`RowSoftmax` on the GPU: one launch of the kernel, on C-ordered
+    ``scores`` (a matrix product's: they are written in place)."""
+    import cupy
+
+    if not scores.flags.c_contiguous:
+        raise ValueError("the row softmax works in place on C-ordered scores")
+
+    count, width = scores.shape
+    maxima = cupy.empty((count,), dtype=scores.dtype)
+    totals = cupy.empty((count,), dtype=scores.dtype)
+    threads = min(1024, max(32, 1 << (width - 1).bit_length()))
+    has_limits = limits is not None
+    if limits is None:
+        limits = maxima  # any pointer: the kernel does not read it
+    else:
+        limits = cupy.ascontiguousarray(limits, dtype=cupy.int32)  # one int a row, in the rows' order
+    _kernel(scores.dtype.name)(
+        (count,),
+        (threads,),
+        (scores, maxima, totals, limits, cupy.int32(has_limits), cupy.int32(width), cupy.int32(first_key)),
+    )
+    return maxima, totals
+
+
+def plan(
+    slices: int, n: int, m: int, itemsize: int, is_causal: bool, budget: int, chunks: tuple[int, int] | None
+) -> tuple[int, int, int]:
+    """``(slices_per_block, rows, key_chunk)``: whole rows of keys in each
+    block where ``MIN_ROWS`` of them fit the budget, else as many keys as do
+    (``MIN_KEYS`` at least); as many rows as the budget holds; causal calls
+    cut into ``CAUSAL_SPLITS`` blocks of rows.  ``chunks``, the user's
+    ``chunk_size``, sets rows and keys instead."""
+    if chunks is not None:
+        rows, key_chunk = chunks
+    else:
+        key_chunk = m if MIN_ROWS * m * itemsize <= budget else min(m, max(MIN_KEYS, budget // (MIN_ROWS * itemsize)))
+        rows = min(n, max(MIN_ROWS, budget // (key_chunk * itemsize)))
+        if is_causal and n >= CAUSAL_SPLITS * MIN_ROWS:
+            rows = min(rows, -(-n // CAUSAL_SPLITS))
+    per_block = max(1, min(slices, budget // (rows * key_chunk * itemsize)))
+    return per_block, rows, key_chunk
+
+
+def _row_limits(
+    xp: Any, key_lengths: Any, is_causal: bool, batch_shape: tuple[int, ...], n: int, m: int, device: Any
+) -> Any:
+    """``(slices, n)`` int32: the keys each query may attend (the causal rule
+    and the key lengths; at most ``m``), or None where it is every key."""
+    if key_lengths is None and not is_causal:
+        return None
+    slices = math.prod(batch_shape)
+    limits = xp.full((slices, n), m, dtype=xp.int64, device=device)
+    if is_causal:  # query i attends the keys j <= i + (m - n)
+        limits = xp.minimum(limits, xp.arange(n, dtype=xp.int64, device=device) + (m - n + 1))
+    if key_lengths is not None:
+        lengths = natives.aligned_lengths(xp, key_lengths, batch_shape, n)
+        lengths = xp.reshape(xp.broadcast_to(lengths, (*batch_shape, n, 1)), (slices, n))
+        limits = xp.minimum(limits, xp.astype(lengths, xp.int64))
+    return xp.astype(xp.clip(limits, 0, m), xp.int32)
+
+
+def attend(
+    xp: Any,
+    row_softmax: RowSoftmax,
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: Any,
+    batch_shape: tuple[int, ...],
+    budget: int,
+    chunks: tuple[int, int] | None,
+) -> Any:
+    """Scaled dot-product attention of float32 or float64 inputs with at
+    least one query, key and feature, in blocks of :func:`plan`; a ``mask``
+    has no leading axis of more than one entry (it is shared by every slice)."""
+    n, m, d_v = query.shape[-2], key.shape[-2], value.shape[-1]
+    slices = math.prod(batch_shape)
+    dtype, device = query.dtype, query.device
+
+    def as_slices(array: Any) -> Any:
+        return xp.reshape(xp.broadcast_to(array, (*batch_shape, *array.shape[-2:])), (slices, *array.shape[-2:]))
+
+    q, k, v = as_slices(query) * scale, as_slices(key), as_slices(value)
+    key_t = xp.matrix_transpose(k)
+    limits = _row_limits(xp, key_lengths, is_causal, batch_shape, n, m, device)
+    output = xp.empty((slices, n, d_v), dtype=dtype, device=device)
+    itemsize = 4 if dtype == xp.float32 else 8
+    minus_infinity = xp.asarray(-math.inf, dtype=dtype, device=device)
+    per_block, rows, key_chunk = plan(slices, n, m, itemsize, is_causal, budget, chunks)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        # Keys past the last row's diagonal are in every row's future.
+        stop = max(0, min(m, r1 + m - n)) if is_causal else m
+        block_mask = None
+        if mask is not None:
+            block_mask = natives.combined_mask(
+                xp,
+                mask=mask,
+                key_lengths=None,
+                is_causal=False,
+                batch_shape=batch_shape,
+                n=n,
+                m=m,
+                dtype=dtype,
+                device=device,
+                rows=(r0, r1),
+            )
+            if block_mask.ndim > 2:  # one slice's, or shared by all: (rows, m)
+                block_mask = xp.reshape(block_mask, block_mask.shape[-2:])
+        for s0 in range(0, slices, per_block):
+            s1 = min(slices, s0 + per_block)
+            if stop == 0:  # no query of the block has a key to attend
+                output[s0:s1, r0:r1, :] = 0
+                continue
+            block_limits = None if limits is None else xp.reshape(limits[s0:s1, r0:r1], (-1,))  # contiguous
+            running = None
+            for c0 in range(0, stop, key_chunk):
+                c1 = min(stop, c0 + key_chunk)
+                scores = q[s0:s1, r0:r1, :] @ key_t[s0:s1, :, c0:c1]
+                if block_mask is not None:
+                    part = block_mask[..., c0:c1] if block_mask.shape[-1] != 1 else block_mask
+                    if part.dtype == xp.bool:
+                        scores = xp.where(part, scores, minus_infinity)
+                    else:
+                        scores += part
+                count = (s1 - s0) * (r1 - r0)
+                flat = xp.reshape(scores, (count, c1 - c0))
+                maxima, totals = row_softmax(flat, block_limits, c0)
+                maxima, totals = (xp.reshape(a, (s1 - s0, r1 - r0, 1)) for a in (maxima, totals))
+                products = scores @ v[s0:s1, c0:c1, :]
+                running = _combined(xp, running, (products, totals, maxima))
+            products, totals, _ = running
+            output[s0:s1, r0:r1, :] = products / xp.where(totals == 0, xp.ones_like(totals), totals)
+    return xp.reshape(output, (*batch_shape, n, d_v))
+
+
+def _combined(xp: Any, running: Any, block: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+    """The online softmax: a block of keys' products with the values, sums and
+    maxima joined to those of the blocks before it."""
+    if running is None:
+        return block
+    (products, totals, maxima), (new_products, new_totals, new_maxima) = running, block
+    most = xp.maximum(maxima, new_maxima)
+    # Where both are -inf (no key yet) both sums are 0: any finite shift does.
+    shift = xp.where(most == -math.inf, xp.zeros_like(most), most)
+    before, now = xp.exp(maxima - shift), xp.exp(new_maxima - shift)
+    return products * before + new_products * now, totals * before + new_totals * now, most
+
+
+def scaled_dot_product_attention(
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: Any,
+    return_weights: bool,
+    chunks: tuple[int, int] | None,
+    batch_shape: tuple[int, ...],
+    chunk_size: Any,
+    backend: Any,
+) -> Any:
+    """attnx's native entry point (see :meth:`attnx.Backend.implementations`);
+    ``backend`` is bound by it.  Declines the weights, calls with no query,
+    key or feature, and a ``mask`` with leading axes over several slices."""
+    import array_api_compat.cupy as xp
+
+    n, m = query.shape[-2], key.shape[-2]
+    if (
+        return_weights
+        or query.dtype.name not in ("float32", "float64", "float16")
+        or 0 in (n, m, query.shape[-1], value.shape[-1], math.prod(batch_shape))
+        or (mask is not None and math.prod(mask.shape[:-2]) > 1)
+    ):
+        return NotImplemented
+    dtype = query.dtype
+    if dtype.name == "float16":  # attnx's rule: half precision is computed in float32
+        query, key, value = (xp.astype(a, xp.float32) for a in (query, key, value))
+    if not isinstance(scale, float):  # a 0-d array, in the inputs' dtype
+        scale = xp.astype(scale, query.dtype)
+    with query.device:
+        output = attend(
+            xp,
+            cupy_row_softmax,
+            query=query,
+            key=key,
+            value=value,
+            mask=mask,
+            key_lengths=key_lengths,
+            is_causal=is_causal,
+            scale=scale,
+            batch_shape=batch_shape,
+            budget=get_memory_budget(backend, query.device),
+            chunks=chunks if chunk_size is not None else None,
+        )
+    return output if output.dtype == dtype else xp.astype(output, dtype)

@@ -1,0 +1,130 @@
+"""The CuPy native's blocking (``attnx_backends.cupy_attention.attend``), on
+the CPU: the same code run over NumPy arrays with the row softmax written in
+NumPy from the kernel's contract.  The kernel itself needs a GPU; the
+conformance suite on CuPy (``attnx conformance cupy``) checks the whole
+there, and ``bench/gpu_checks.py native`` times it."""
+
+from __future__ import annotations
+
+import array_api_compat.numpy as xp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnx_backends import cupy_attention
+from attnx_conformance import reference
+
+
+def numpy_row_softmax(scores, limits, first_key):
+    """The kernel's contract: each row's allowed keys (``limits - first_key``
+    of them) exponentiated in place, shifted by their maximum; the rest 0; a
+    row with nothing allowed (or only ``-inf``) all 0, with a sum of 0."""
+    count, width = scores.shape
+    limit = np.full(count, width) if limits is None else np.clip(limits - first_key, 0, width)
+    allowed = np.arange(width) < limit[:, None]
+    most = np.max(np.where(allowed, scores, -np.inf), axis=1, initial=-np.inf)
+    none = most == -np.inf
+    with np.errstate(invalid="ignore"):
+        exponentials = np.exp(scores - np.where(none, 0, most)[:, None])
+    scores[...] = np.where(allowed & ~none[:, None], exponentials, 0)
+    return most, scores.sum(axis=1)
+
+
+def test_kernel_source_is_written_for_each_dtype():
+    for name, text in (("float32", "float"), ("float64", "double")):
+        source = cupy_attention.kernel_source(name)
+        assert source.startswith(f"typedef {text} T;\n")
+        assert f'extern "C" __global__ void row_softmax_{name}(T* scores' in source
+        assert "KERNEL_NAME" not in source
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    batch=st.sampled_from([(), (1,), (3,), (2, 3)]),
+    n=st.integers(1, 9),
+    m=st.integers(1, 11),
+    is_causal=st.booleans(),
+    lengths=st.sampled_from([None, "batch_first", "sequence", "query"]),
+    mask_kind=st.sampled_from([None, "bool", "real"]),
+    chunks=st.sampled_from([None, (2, 3), (4, 1), (1, 5)]),
+    budget=st.sampled_from([2**20, 96]),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_blocks_compute_the_reference(batch, n, m, is_causal, lengths, mask_kind, chunks, budget, dtype, seed):
+    """Every plan (whole rows, blocks of keys joined by the online softmax,
+    causal blocks of rows, a budget of a few scores) against the float64
+    reference, with masks, key lengths of each layout and rows that have no
+    key at all."""
+    rng = np.random.default_rng(seed)
+    d_k, d_v = 3, 2
+    query = rng.standard_normal((*batch, n, d_k)).astype(dtype)
+    key = rng.standard_normal((*batch, m, d_k)).astype(dtype)
+    value = rng.standard_normal((*batch, m, d_v)).astype(dtype)
+    batch_shape = batch
+    key_lengths, lengths_per = None, "sequence"
+    if lengths == "batch_first" and batch:
+        key_lengths, lengths_per = rng.integers(0, m + 1, size=batch[0]), "batch"
+    elif lengths == "sequence":
+        key_lengths = rng.integers(0, m + 1, size=batch)
+    elif lengths == "query":
+        key_lengths, lengths_per = rng.integers(0, m + 1, size=(*batch, n)), "query"
+    mask = allowed_by_mask = additive = None
+    if mask_kind == "bool":
+        mask = allowed_by_mask = rng.random((n, m)) < 0.7
+    elif mask_kind == "real":
+        mask = additive = np.where(rng.random((n, m)) < 0.2, -np.inf, rng.standard_normal((n, m))).astype(dtype)
+    allowed = reference.allowed_mask(
+        n,
+        m,
+        batch_shape=batch_shape,
+        mask=allowed_by_mask,
+        key_lengths=key_lengths,
+        lengths_per=lengths_per,
+        is_causal=is_causal,
+    )
+    expected, _ = reference.scaled_dot_product_attention(
+        query, key, value, allowed=allowed, additive=additive, scale=0.7
+    )
+    got = cupy_attention.attend(
+        xp,
+        numpy_row_softmax,
+        query=query,
+        key=key,
+        value=value,
+        mask=mask,
+        key_lengths=key_lengths,
+        is_causal=is_causal,
+        scale=0.7,
+        batch_shape=batch_shape,
+        budget=budget,
+        chunks=chunks,
+    )
+    assert got.dtype == dtype and got.shape == expected.shape
+    tolerance = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("n", "m", "is_causal", "budget", "expected"),
+    [
+        (8192, 8192, False, 512 * 2**20, (2, 8192, 8192)),  # whole rows: two slices a block
+        (8192, 8192, True, 512 * 2**20, (8, 2048, 8192)),  # causal: four blocks of rows
+        (100, 2**24, False, 2**20, (1, 64, 4096)),  # rows too long for the budget: blocks of keys
+        (100, 2**24, False, 1024, (1, 64, 512)),  # never fewer keys than MIN_KEYS
+    ],
+)
+def test_plan(n, m, is_causal, budget, expected):
+    assert cupy_attention.plan(8, n, m, 4, is_causal, budget, None) == expected
+
+
+def test_a_row_softmax_that_drops_the_limits_fails():
+    """The test above can fail: a kernel that ignored the causal rule would."""
+    query = np.ones((1, 4, 2))
+    key = value = np.arange(8.0).reshape(1, 4, 2)
+    arguments = dict(query=query, key=key, value=value, mask=None, key_lengths=None, scale=1.0)
+    arguments.update(is_causal=True, batch_shape=(1,), budget=2**20, chunks=None)
+    right = cupy_attention.attend(xp, numpy_row_softmax, **arguments)
+    wrong = cupy_attention.attend(xp, lambda s, limits, first: numpy_row_softmax(s, None, first), **arguments)
+    assert not np.allclose(right, wrong)
