@@ -46,6 +46,17 @@ from attnx.natives import MIN_ROWS
 #: diagonal: 5/8 of the square's scores with 4 blocks, for three more rounds
 #: of launches.
 CAUSAL_SPLITS = 4
+#: The row softmax's threads per row, at most, and the scores each takes at
+#: least: a thread per score left rows of 1,024 latency-bound (1.10x the
+#: generic algorithm's time at (16, 8, 1024, 64) on an H200).
+MAX_THREADS = 256
+SCORES_PER_THREAD = 4
+#: Scores of a causal call (all slices) from which its rows are cut into
+#: CAUSAL_SPLITS blocks: each block is a round of some ten launches, which
+#: the work skipped pays for only in large calls.  On an H200 (1, 8, 2048,
+#: 64) took 1.71 ms in one block and 2.76 ms in four; (1, 8, 8192, 64) 6.75 ms
+#: in one and 5.67 ms in four.
+CAUSAL_SPLIT_SCORES = 2**28
 #: Keys a block holds at least, where the budget can't hold whole rows (the
 #: generic algorithm's floor, below which the products lose their efficiency).
 MIN_KEYS = 512
@@ -55,11 +66,13 @@ MIN_KEYS = 512
 #: (the causal rule, the key lengths: ``limits[row] - first_key``) weigh 0.
 #: The maximum propagates NaN, as a NaN score propagates it in attnx's
 #: algorithm; a row whose allowed scores are all ``-inf`` (or that has none)
-#: gets zeros, a sum of 0 and a maximum of ``-inf``.
+#: gets zeros and a maximum of ``-inf``.  Each row's divisor is the sum of
+#: its exponentials, or 1 where they are all 0 (no key): its output is then
+#: the zeros attnx gives, without a pass to make the sums safe.
 ROW_SOFTMAX_SOURCE = r"""
 __device__ __forceinline__ T nan_max(T a, T b) { return (a != a || a > b) ? a : b; }
 
-extern "C" __global__ void KERNEL_NAME(T* scores, T* maxima, T* totals, const int* limits,
+extern "C" __global__ void KERNEL_NAME(T* scores, T* maxima, T* divisors, const int* limits,
                                 const int has_limits, const int width, const int first_key) {
     const long long r = blockIdx.x;
     T* row = scores + r * (long long)width;
@@ -92,7 +105,7 @@ extern "C" __global__ void KERNEL_NAME(T* scores, T* maxima, T* totals, const in
     if (threadIdx.x == 0) {
         T total = 0;
         for (int w = 0; w < warps; ++w) total += partial[w];
-        totals[r] = total;
+        divisors[r] = total == 0 ? (T)1 : total;
         maxima[r] = most;
     }
 }
@@ -104,7 +117,7 @@ _TYPES = {
     "float64": ("double", "exp", "__longlong_as_double(0xfff0000000000000LL)"),
 }
 
-#: A row softmax: ``(scores, limits, first_key) -> (maxima, totals)``, the
+#: A row softmax: ``(scores, limits, first_key) -> (maxima, divisors)``, the
 #: scores ``(count, width)`` turned into their exponentials in place.
 RowSoftmax = Callable[[Any, Any, int], tuple[Any, Any]]
 
@@ -133,8 +146,7 @@ def cupy_row_softmax(scores: Any, limits: Any, first_key: int) -> tuple[Any, Any
 
     count, width = scores.shape
     maxima = cupy.empty((count,), dtype=scores.dtype)
-    totals = cupy.empty((count,), dtype=scores.dtype)
-    threads = min(1024, max(32, 1 << (width - 1).bit_length()))
+    divisors = cupy.empty((count,), dtype=scores.dtype)
     has_limits = limits is not None
     if limits is None:
         limits = maxima  # any pointer: the kernel does not read it
@@ -142,10 +154,18 @@ def cupy_row_softmax(scores: Any, limits: Any, first_key: int) -> tuple[Any, Any
         limits = cupy.ascontiguousarray(limits, dtype=cupy.int32)  # one int a row, in the rows' order
     _kernel(scores.dtype.name)(
         (count,),
-        (threads,),
-        (scores, maxima, totals, limits, cupy.int32(has_limits), cupy.int32(width), cupy.int32(first_key)),
+        (threads_per_row(width),),
+        (scores, maxima, divisors, limits, cupy.int32(has_limits), cupy.int32(width), cupy.int32(first_key)),
     )
-    return maxima, totals
+    return maxima, divisors
+
+
+def threads_per_row(width: int) -> int:
+    """The kernel's threads for a row of ``width`` scores: a warp at least,
+    :data:`MAX_THREADS` at most, else one for every
+    :data:`SCORES_PER_THREAD` scores (a power of two)."""
+    wanted = 1 << max(0, -(-width // SCORES_PER_THREAD) - 1).bit_length()
+    return min(MAX_THREADS, max(32, wanted))
 
 
 def plan(
@@ -161,7 +181,7 @@ def plan(
     else:
         key_chunk = m if MIN_ROWS * m * itemsize <= budget else min(m, max(MIN_KEYS, budget // (MIN_ROWS * itemsize)))
         rows = min(n, max(MIN_ROWS, budget // (key_chunk * itemsize)))
-        if is_causal and n >= CAUSAL_SPLITS * MIN_ROWS:
+        if is_causal and n >= CAUSAL_SPLITS * MIN_ROWS and slices * n * m >= CAUSAL_SPLIT_SCORES:
             rows = min(rows, -(-n // CAUSAL_SPLITS))
     per_block = max(1, min(slices, budget // (rows * key_chunk * itemsize)))
     return per_block, rows, key_chunk
@@ -171,7 +191,9 @@ def _row_limits(
     xp: Any, key_lengths: Any, is_causal: bool, batch_shape: tuple[int, ...], n: int, m: int, device: Any
 ) -> Any:
     """``(slices, n)`` int32: the keys each query may attend (the causal rule
-    and the key lengths; at most ``m``), or None where it is every key."""
+    and the key lengths; at most ``m``, and below 0 where none: the kernel
+    reads those as 0), or None where it is every key.  Not ``clip``: the
+    array API's on CuPy indexes by a boolean mask, which waits for the GPU."""
     if key_lengths is None and not is_causal:
         return None
     slices = math.prod(batch_shape)
@@ -182,7 +204,7 @@ def _row_limits(
         lengths = natives.aligned_lengths(xp, key_lengths, batch_shape, n)
         lengths = xp.reshape(xp.broadcast_to(lengths, (*batch_shape, n, 1)), (slices, n))
         limits = xp.minimum(limits, xp.astype(lengths, xp.int64))
-    return xp.astype(xp.clip(limits, 0, m), xp.int32)
+    return xp.astype(limits, xp.int32)
 
 
 def attend(
@@ -213,55 +235,73 @@ def attend(
     q, k, v = as_slices(query) * scale, as_slices(key), as_slices(value)
     key_t = xp.matrix_transpose(k)
     limits = _row_limits(xp, key_lengths, is_causal, batch_shape, n, m, device)
-    output = xp.empty((slices, n, d_v), dtype=dtype, device=device)
     itemsize = 4 if dtype == xp.float32 else 8
-    minus_infinity = xp.asarray(-math.inf, dtype=dtype, device=device)
     per_block, rows, key_chunk = plan(slices, n, m, itemsize, is_causal, budget, chunks)
+    output = None
+    if per_block < slices or rows < n:
+        output = xp.empty((slices, n, d_v), dtype=dtype, device=device)
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         # Keys past the last row's diagonal are in every row's future.
         stop = max(0, min(m, r1 + m - n)) if is_causal else m
-        block_mask = None
-        if mask is not None:
-            block_mask = natives.combined_mask(
-                xp,
-                mask=mask,
-                key_lengths=None,
-                is_causal=False,
-                batch_shape=batch_shape,
-                n=n,
-                m=m,
-                dtype=dtype,
-                device=device,
-                rows=(r0, r1),
-            )
-            if block_mask.ndim > 2:  # one slice's, or shared by all: (rows, m)
-                block_mask = xp.reshape(block_mask, block_mask.shape[-2:])
+        block_mask = None if mask is None else _rows_of_mask(xp, mask, batch_shape, n, m, r0, r1, dtype, device)
         for s0 in range(0, slices, per_block):
             s1 = min(slices, s0 + per_block)
             if stop == 0:  # no query of the block has a key to attend
-                output[s0:s1, r0:r1, :] = 0
-                continue
-            block_limits = None if limits is None else xp.reshape(limits[s0:s1, r0:r1], (-1,))  # contiguous
-            running = None
-            for c0 in range(0, stop, key_chunk):
-                c1 = min(stop, c0 + key_chunk)
-                scores = q[s0:s1, r0:r1, :] @ key_t[s0:s1, :, c0:c1]
-                if block_mask is not None:
-                    part = block_mask[..., c0:c1] if block_mask.shape[-1] != 1 else block_mask
-                    if part.dtype == xp.bool:
-                        scores = xp.where(part, scores, minus_infinity)
-                    else:
-                        scores += part
-                count = (s1 - s0) * (r1 - r0)
-                flat = xp.reshape(scores, (count, c1 - c0))
-                maxima, totals = row_softmax(flat, block_limits, c0)
-                maxima, totals = (xp.reshape(a, (s1 - s0, r1 - r0, 1)) for a in (maxima, totals))
-                products = scores @ v[s0:s1, c0:c1, :]
-                running = _combined(xp, running, (products, totals, maxima))
-            products, totals, _ = running
-            output[s0:s1, r0:r1, :] = products / xp.where(totals == 0, xp.ones_like(totals), totals)
+                result = xp.zeros((s1 - s0, r1 - r0, d_v), dtype=dtype, device=device)
+            else:
+                block_limits = None if limits is None else xp.reshape(limits[s0:s1, r0:r1], (-1,))
+                running = None
+                for c0 in range(0, stop, key_chunk):
+                    c1 = min(stop, c0 + key_chunk)
+                    scores = q[s0:s1, r0:r1, :] @ key_t[s0:s1, :, c0:c1]
+                    if block_mask is not None:
+                        scores = _masked(xp, scores, block_mask, c0, c1)
+                    maxima, divisors = row_softmax(xp.reshape(scores, (-1, c1 - c0)), block_limits, c0)
+                    shape = (s1 - s0, r1 - r0, 1)
+                    products = scores @ v[s0:s1, c0:c1, :]
+                    del scores  # its memory is the next block's
+                    running = _combined(xp, running, (products, xp.reshape(divisors, shape), xp.reshape(maxima, shape)))
+                products, divisors, _ = running
+                if stop > key_chunk:  # joined blocks: a row with no key has a sum of 0
+                    divisors = xp.where(divisors == 0, xp.ones_like(divisors), divisors)
+                result = products / divisors
+            if output is None:  # one block: the whole call
+                return xp.reshape(result, (*batch_shape, n, d_v))
+            output[s0:s1, r0:r1, :] = result
     return xp.reshape(output, (*batch_shape, n, d_v))
+
+
+def _rows_of_mask(
+    xp: Any, mask: Any, batch_shape: tuple[int, ...], n: int, m: int, r0: int, r1: int, dtype: Any, device: Any
+) -> Any:
+    """The user's ``mask`` for the queries ``r0:r1``, boolean or real in
+    ``dtype``, without its leading axes (each of one entry): ``(rows, m)``,
+    or any shape that broadcasts to it."""
+    block = natives.combined_mask(
+        xp,
+        mask=mask,
+        key_lengths=None,
+        is_causal=False,
+        batch_shape=batch_shape,
+        n=n,
+        m=m,
+        dtype=dtype,
+        device=device,
+        rows=(r0, r1),
+    )
+    return xp.reshape(block, block.shape[-2:]) if block.ndim > 2 else block
+
+
+def _masked(xp: Any, scores: Any, mask: Any, c0: int, c1: int) -> Any:
+    """``scores``, the keys ``c0:c1``, with the block's ``mask`` applied:
+    ``-inf`` where a boolean mask forbids, a real one added."""
+    if mask.ndim > 0 and mask.shape[-1] != 1:
+        mask = mask[..., c0:c1]
+    if mask.dtype == xp.bool:
+        return xp.where(mask, scores, xp.asarray(-math.inf, dtype=scores.dtype, device=scores.device))
+    scores += mask
+    return scores
 
 
 def _combined(xp: Any, running: Any, block: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
@@ -269,12 +309,14 @@ def _combined(xp: Any, running: Any, block: tuple[Any, Any, Any]) -> tuple[Any, 
     maxima joined to those of the blocks before it."""
     if running is None:
         return block
-    (products, totals, maxima), (new_products, new_totals, new_maxima) = running, block
+    (products, divisors, maxima), (new_products, new_divisors, new_maxima) = running, block
     most = xp.maximum(maxima, new_maxima)
-    # Where both are -inf (no key yet) both sums are 0: any finite shift does.
+    # Where both are -inf (no key yet) the products are 0: any finite shift
+    # does, and the sum comes out 0 (the divisor of 1 a keyless block gives
+    # weighs exp(-inf) = 0).
     shift = xp.where(most == -math.inf, xp.zeros_like(most), most)
     before, now = xp.exp(maxima - shift), xp.exp(new_maxima - shift)
-    return products * before + new_products * now, totals * before + new_totals * now, most
+    return products * before + new_products * now, divisors * before + new_divisors * now, most
 
 
 def scaled_dot_product_attention(

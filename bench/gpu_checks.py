@@ -261,18 +261,28 @@ def native() -> None:
         return [gen.standard_normal(shape, dtype=cp.float32).astype(dtype) for _ in range(3)]
 
     n, m = 300, 257
-    q, k, v = inputs((2, 4, n, 64))
+    q = inputs((2, 4, n, 64))[0]
+    k, v = inputs((2, 4, m, 64))[:2]
     q64, k64, v64 = (a.astype(cp.float64) for a in (q, k, v))
+    square_k, square_v = inputs((2, 4, n, 64))[:2]
     cases = {
         "plain": (q, k, v, {}),
-        "causal": (q, k[..., :n, :], v[..., :n, :], {"is_causal": True}),
+        "causal": (q, square_k, square_v, {"is_causal": True}),
         "causal, n > m": (q, k, v, {"is_causal": True}),
         "key_lengths": (q, k, v, {"key_lengths": cp.asarray([0, 100])}),
         "key_lengths per query": (q, k, v, {"key_lengths": gen.integers(0, m + 1, (2, 4, n))}),
         "boolean mask": (q, k, v, {"mask": gen.random((n, m)) < 0.5}),
         "additive mask": (q, k, v, {"mask": gen.standard_normal((n, m), dtype=cp.float32)}),
+        "additive scalar mask": (q, k, v, {"mask": cp.asarray(1.5)}),
+        "row of keys": (q, k, v, {"mask": gen.random(m) < 0.5, "is_causal": True}),
         "mask of each slice (declined)": (q, k, v, {"mask": gen.random((2, 4, n, m)) < 0.5}),
         "chunk_size (64, 100)": (q, k, v, {"chunk_size": (64, 100), "is_causal": True}),
+        "chunk_size (64, 100), lengths 0 and 100": (
+            q,
+            k,
+            v,
+            {"chunk_size": (64, 100), "key_lengths": cp.asarray([0, 100])},
+        ),
         "float64": (q64, k64, v64, {"is_causal": True, "key_lengths": cp.asarray([3, 257])}),
         "float16": (*(a.astype(cp.float16) for a in (q, k, v)), {"is_causal": True}),
     }
@@ -288,6 +298,38 @@ def native() -> None:
         except Exception as exc:  # every case reports
             line = {"row": f"native against generic: {name}", "error": repr(exc)}
         print(json.dumps(line), flush=True)
+    # Host and GPU time of one call (cupyx.profiler.benchmark, means of 30):
+    # a call whose host time exceeds its GPU time is launch-bound.
+    from cupyx.profiler import benchmark
+
+    for size, causal in ((512, False), (512, True), (2048, True), (8192, False)):
+        q1 = inputs((1, 8, size, 64))[0]
+        for name, context in (("native", contextlib.nullcontext), ("generic", generic_on_cupy)):
+            with context():
+                result = benchmark(
+                    attnx.scaled_dot_product_attention,
+                    (q1, q1, q1),
+                    {"is_causal": causal},
+                    n_repeat=30,
+                    n_warmup=3,
+                )
+            line = {
+                "row": f"profile {name} n={size} causal={causal}",
+                "host_ms": round(float(result.cpu_times.mean()) * 1e3, 3),
+                "gpu_ms": round(float(result.gpu_times.mean()) * 1e3, 3),
+            }
+            print(json.dumps(line), flush=True)
+    # The kernel alone by its threads per row, on 512 MiB of scores.
+    for width in (512, 1024, 8192):
+        scores = gen.standard_normal((2**27 // width, width), dtype=cp.float32)
+        for threads in (64, 128, 256, 512, 1024):
+            cupy_attention.MAX_THREADS = threads
+            result = benchmark(cupy_attention.cupy_row_softmax, (scores, None, 0), n_repeat=20, n_warmup=2)
+            gpu_ms = round(float(result.gpu_times.mean()) * 1e3, 3)
+            line = {"row": f"kernel width {width}, at most {threads} threads", "gpu_ms": gpu_ms}
+            print(json.dumps(line), flush=True)
+        del scores
+    cupy_attention.MAX_THREADS = 256
     for batch, heads, size in ((1, 8, 512), (1, 8, 2048), (1, 8, 8192), (16, 8, 1024)):
         for operation in ("sdpa", "sdpa_causal"):
             shape = dict(operation=operation, batch=batch, heads=heads, n=size, head_dim=64, device=CUDA, repeat=10)
@@ -298,15 +340,19 @@ def native() -> None:
             ratio(fused, anchor)
             ratio(generic, anchor)
             ratio(fused, generic)
-    for size in (2048, 8192):
-        shape = dict(operation="sdpa_causal", batch=1, heads=8, n=size, head_dim=64, device=CUDA, repeat=10)
+    threshold = cupy_attention.CAUSAL_SPLIT_SCORES
+    cupy_attention.CAUSAL_SPLIT_SCORES = 0
+    for batch, size in ((1, 2048), (1, 8192), (16, 1024)):
+        shape = dict(operation="sdpa_causal", batch=batch, heads=8, n=size, head_dim=64, device=CUDA, repeat=10)
         lines = {}
         for splits in (1, 2, 4, 8):
             cupy_attention.CAUSAL_SPLITS = splits
-            lines[splits] = row(f"cupy native causal {size}, {splits} blocks of rows", Case("attnx:cupy", **shape))
+            name = f"cupy native causal {batch}x{size}, {splits} blocks of rows"
+            lines[splits] = row(name, Case("attnx:cupy", **shape))
         cupy_attention.CAUSAL_SPLITS = 4
         for splits in (1, 2, 8):
             ratio(lines[splits], lines[4])
+    cupy_attention.CAUSAL_SPLIT_SCORES = threshold
     shape = dict(operation="sdpa", batch=1, heads=8, n=8192, head_dim=64, device=CUDA, repeat=10, dtype="float16")
     anchor = row("torch-sdpa float16 8192", Case("torch-sdpa", **shape))
     ratio(row("cupy native float16 8192", Case("attnx:cupy", **shape)), anchor)

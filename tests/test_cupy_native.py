@@ -19,7 +19,8 @@ from attnx_conformance import reference
 def numpy_row_softmax(scores, limits, first_key):
     """The kernel's contract: each row's allowed keys (``limits - first_key``
     of them) exponentiated in place, shifted by their maximum; the rest 0; a
-    row with nothing allowed (or only ``-inf``) all 0, with a sum of 0."""
+    row with nothing allowed (or only ``-inf``) all 0.  Each row's divisor:
+    its sum, or 1 where that is 0."""
     count, width = scores.shape
     limit = np.full(count, width) if limits is None else np.clip(limits - first_key, 0, width)
     allowed = np.arange(width) < limit[:, None]
@@ -28,7 +29,8 @@ def numpy_row_softmax(scores, limits, first_key):
     with np.errstate(invalid="ignore"):
         exponentials = np.exp(scores - np.where(none, 0, most)[:, None])
     scores[...] = np.where(allowed & ~none[:, None], exponentials, 0)
-    return most, scores.sum(axis=1)
+    totals = scores.sum(axis=1)
+    return most, np.where(totals == 0, 1, totals)
 
 
 def test_kernel_source_is_written_for_each_dtype():
@@ -39,14 +41,14 @@ def test_kernel_source_is_written_for_each_dtype():
         assert "KERNEL_NAME" not in source
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     batch=st.sampled_from([(), (1,), (3,), (2, 3)]),
     n=st.integers(1, 9),
     m=st.integers(1, 11),
     is_causal=st.booleans(),
     lengths=st.sampled_from([None, "batch_first", "sequence", "query"]),
-    mask_kind=st.sampled_from([None, "bool", "real"]),
+    mask_kind=st.sampled_from([None, "bool", "real", "keys_row", "scalar", "leading_one"]),
     chunks=st.sampled_from([None, (2, 3), (4, 1), (1, 5)]),
     budget=st.sampled_from([2**20, 96]),
     dtype=st.sampled_from([np.float32, np.float64]),
@@ -75,6 +77,12 @@ def test_blocks_compute_the_reference(batch, n, m, is_causal, lengths, mask_kind
         mask = allowed_by_mask = rng.random((n, m)) < 0.7
     elif mask_kind == "real":
         mask = additive = np.where(rng.random((n, m)) < 0.2, -np.inf, rng.standard_normal((n, m))).astype(dtype)
+    elif mask_kind == "keys_row":  # one row of keys, for every query
+        mask = allowed_by_mask = rng.random(m) < 0.7
+    elif mask_kind == "scalar":  # added to every score
+        mask = additive = np.asarray(1.5, dtype=dtype)
+    elif mask_kind == "leading_one":  # leading axes of one entry, as many as the batch's
+        mask = additive = rng.standard_normal((*(1,) * len(batch), n, m)).astype(dtype)
     allowed = reference.allowed_mask(
         n,
         m,
