@@ -41,22 +41,24 @@ from typing import Any
 from attnx import get_memory_budget, natives
 from attnx.natives import MIN_ROWS
 
-#: Causal calls are cut into this many blocks of rows at most (each of at
-#: least MIN_ROWS rows), each computing the keys up to its last row's
-#: diagonal: 5/8 of the square's scores with 4 blocks, for three more rounds
-#: of launches.
-CAUSAL_SPLITS = 4
-#: The row softmax's threads per row, at most, and the scores each takes at
-#: least: a thread per score left rows of 1,024 latency-bound (1.10x the
-#: generic algorithm's time at (16, 8, 1024, 64) on an H200).
-MAX_THREADS = 256
-SCORES_PER_THREAD = 4
-#: Scores of a causal call (all slices) from which its rows are cut into
-#: CAUSAL_SPLITS blocks: each block is a round of some ten launches, which
-#: the work skipped pays for only in large calls.  On an H200 (1, 8, 2048,
-#: 64) took 1.71 ms in one block and 2.76 ms in four; (1, 8, 8192, 64) 6.75 ms
-#: in one and 5.67 ms in four.
-CAUSAL_SPLIT_SCORES = 2**28
+#: Causal calls are cut into blocks of rows (each of at least MIN_ROWS
+#: rows) that compute the keys up to their last row's diagonal: with 4
+#: blocks, 5/8 of the square's scores.  Each block is a round of some ten
+#: launches, which the work skipped pays for only in large calls: by the
+#: scores of the whole call, ``(from, blocks)``.  On an H200, in float32
+#: (bench/RESULTS.md, sixth GPU run), against 4 blocks: (1, 8, 2048, 64),
+#: 2**25 scores, 0.38x in one block; (16, 8, 1024, 64), 2**27, 0.84x in two
+#: and 0.91x in one; (1, 8, 8192, 64), 2**29, 1.36x in one, 1.20x in two and
+#: 1.21x in eight.
+CAUSAL_BLOCKS = ((2**29, 4), (2**27, 2))
+#: The row softmax's threads per row: one for every SCORES_PER_THREAD scores
+#: (a power of two), a warp at least, MAX_THREADS at most.  The kernel alone
+#: on 512 MiB of float32 scores, on an H200: rows of 512 took 0.41 ms with
+#: 64 threads and 0.47 with 256 to 1,024; rows of 1,024 0.41 ms with 64 or
+#: 128 and 0.51-0.53 with more; rows of 8,192 0.47 ms with 512, 0.49 with
+#: 256, 0.62-0.64 with 128 or 1,024.
+SCORES_PER_THREAD = 8
+MAX_THREADS = 512
 #: Keys a block holds at least, where the budget can't hold whole rows (the
 #: generic algorithm's floor, below which the products lose their efficiency).
 MIN_KEYS = 512
@@ -173,16 +175,17 @@ def plan(
 ) -> tuple[int, int, int]:
     """``(slices_per_block, rows, key_chunk)``: whole rows of keys in each
     block where ``MIN_ROWS`` of them fit the budget, else as many keys as do
-    (``MIN_KEYS`` at least); as many rows as the budget holds; causal calls
-    cut into ``CAUSAL_SPLITS`` blocks of rows.  ``chunks``, the user's
+    (``MIN_KEYS`` at least); as many rows as the budget holds; large causal
+    calls cut into blocks of rows (:data:`CAUSAL_BLOCKS`).  ``chunks``, the user's
     ``chunk_size``, sets rows and keys instead."""
     if chunks is not None:
         rows, key_chunk = chunks
     else:
         key_chunk = m if MIN_ROWS * m * itemsize <= budget else min(m, max(MIN_KEYS, budget // (MIN_ROWS * itemsize)))
         rows = min(n, max(MIN_ROWS, budget // (key_chunk * itemsize)))
-        if is_causal and n >= CAUSAL_SPLITS * MIN_ROWS and slices * n * m >= CAUSAL_SPLIT_SCORES:
-            rows = min(rows, -(-n // CAUSAL_SPLITS))
+        blocks = next((count for scores, count in CAUSAL_BLOCKS if slices * n * m >= scores), 1) if is_causal else 1
+        if blocks > 1:
+            rows = min(rows, max(MIN_ROWS, -(-n // blocks)))
     per_block = max(1, min(slices, budget // (rows * key_chunk * itemsize)))
     return per_block, rows, key_chunk
 
@@ -230,7 +233,9 @@ def attend(
     dtype, device = query.dtype, query.device
 
     def as_slices(array: Any) -> Any:
-        return xp.reshape(xp.broadcast_to(array, (*batch_shape, *array.shape[-2:])), (slices, *array.shape[-2:]))
+        if tuple(array.shape[:-2]) != batch_shape:  # a view where it is not, a copy after
+            array = xp.broadcast_to(array, (*batch_shape, *array.shape[-2:]))
+        return xp.reshape(array, (slices, *array.shape[-2:]))
 
     q, k, v = as_slices(query) * scale, as_slices(key), as_slices(value)
     key_t = xp.matrix_transpose(k)

@@ -320,6 +320,8 @@ def native() -> None:
             }
             print(json.dumps(line), flush=True)
     # The kernel alone by its threads per row, on 512 MiB of scores.
+    per_thread = cupy_attention.SCORES_PER_THREAD
+    cupy_attention.SCORES_PER_THREAD = 1  # MAX_THREADS then sets them
     for width in (512, 1024, 8192):
         scores = gen.standard_normal((2**27 // width, width), dtype=cp.float32)
         for threads in (64, 128, 256, 512, 1024):
@@ -329,7 +331,7 @@ def native() -> None:
             line = {"row": f"kernel width {width}, at most {threads} threads", "gpu_ms": gpu_ms}
             print(json.dumps(line), flush=True)
         del scores
-    cupy_attention.MAX_THREADS = 256
+    cupy_attention.MAX_THREADS, cupy_attention.SCORES_PER_THREAD = 512, per_thread
     for batch, heads, size in ((1, 8, 512), (1, 8, 2048), (1, 8, 8192), (16, 8, 1024)):
         for operation in ("sdpa", "sdpa_causal"):
             shape = dict(operation=operation, batch=batch, heads=heads, n=size, head_dim=64, device=CUDA, repeat=10)
@@ -340,19 +342,18 @@ def native() -> None:
             ratio(fused, anchor)
             ratio(generic, anchor)
             ratio(fused, generic)
-    threshold = cupy_attention.CAUSAL_SPLIT_SCORES
-    cupy_attention.CAUSAL_SPLIT_SCORES = 0
+    rule = cupy_attention.CAUSAL_BLOCKS
     for batch, size in ((1, 2048), (1, 8192), (16, 1024)):
         shape = dict(operation="sdpa_causal", batch=batch, heads=8, n=size, head_dim=64, device=CUDA, repeat=10)
         lines = {}
         for splits in (1, 2, 4, 8):
-            cupy_attention.CAUSAL_SPLITS = splits
+            cupy_attention.CAUSAL_BLOCKS = ((0, splits),)
             name = f"cupy native causal {batch}x{size}, {splits} blocks of rows"
             lines[splits] = row(name, Case("attnx:cupy", **shape))
-        cupy_attention.CAUSAL_SPLITS = 4
-        for splits in (1, 2, 8):
+        cupy_attention.CAUSAL_BLOCKS = rule
+        lines["rule"] = row(f"cupy native causal {batch}x{size}, the rule's blocks", Case("attnx:cupy", **shape))
+        for splits in (1, 2, 8, "rule"):
             ratio(lines[splits], lines[4])
-    cupy_attention.CAUSAL_SPLIT_SCORES = threshold
     shape = dict(operation="sdpa", batch=1, heads=8, n=8192, head_dim=64, device=CUDA, repeat=10, dtype="float16")
     anchor = row("torch-sdpa float16 8192", Case("torch-sdpa", **shape))
     ratio(row("cupy native float16 8192", Case("attnx:cupy", **shape)), anchor)

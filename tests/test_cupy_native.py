@@ -115,16 +115,23 @@ def test_blocks_compute_the_reference(batch, n, m, is_causal, lengths, mask_kind
 
 
 @pytest.mark.parametrize(
-    ("n", "m", "is_causal", "budget", "expected"),
+    ("slices", "n", "m", "is_causal", "budget", "expected"),
     [
-        (8192, 8192, False, 512 * 2**20, (2, 8192, 8192)),  # whole rows: two slices a block
-        (8192, 8192, True, 512 * 2**20, (8, 2048, 8192)),  # causal: four blocks of rows
-        (100, 2**24, False, 2**20, (1, 64, 4096)),  # rows too long for the budget: blocks of keys
-        (100, 2**24, False, 1024, (1, 64, 512)),  # never fewer keys than MIN_KEYS
+        (8, 8192, 8192, False, 512 * 2**20, (2, 8192, 8192)),  # whole rows: two slices a block
+        (8, 8192, 8192, True, 512 * 2**20, (8, 2048, 8192)),  # causal, 2**29 scores: four blocks of rows
+        (128, 1024, 1024, True, 512 * 2**20, (128, 512, 1024)),  # 2**27: two
+        (8, 2048, 2048, True, 512 * 2**20, (8, 2048, 2048)),  # 2**25: one
+        (8, 100, 2**24, False, 2**20, (1, 64, 4096)),  # rows too long for the budget: blocks of keys
+        (8, 100, 2**24, False, 1024, (1, 64, 512)),  # never fewer keys than MIN_KEYS
     ],
 )
-def test_plan(n, m, is_causal, budget, expected):
-    assert cupy_attention.plan(8, n, m, 4, is_causal, budget, None) == expected
+def test_plan(slices, n, m, is_causal, budget, expected):
+    assert cupy_attention.plan(slices, n, m, 4, is_causal, budget, None) == expected
+
+
+@pytest.mark.parametrize(("width", "threads"), [(1, 32), (100, 32), (512, 64), (1024, 128), (8192, 512), (2**20, 512)])
+def test_threads_per_row(width, threads):
+    assert cupy_attention.threads_per_row(width) == threads
 
 
 def test_a_row_softmax_that_drops_the_limits_fails():
