@@ -22,8 +22,8 @@ algorithm gives.
 Blocks hold whole rows of keys where the memory budget allows
 (:func:`plan`), so most calls need no running maximum; where they don't
 (a small budget, or a ``chunk_size`` the user gave), the blocks of keys are
-combined by the online softmax, each block's maximum and sum from the
-kernel.
+joined as :mod:`attnx.blocks` states (the online softmax), each block's
+maximum and sum from the kernel.
 
 The blocking (:func:`attend`) is plain NumPy-style code over ``xp``, the
 array's namespace, with the row softmax passed in; on the CPU the tests run
@@ -38,7 +38,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from attnx import get_memory_budget, natives
+from attnx import blocks, get_memory_budget, natives
 from attnx.natives import MIN_ROWS
 
 #: Causal calls are cut into blocks of rows (each of at least MIN_ROWS
@@ -256,7 +256,7 @@ def attend(
                 result = xp.zeros((s1 - s0, r1 - r0, d_v), dtype=dtype, device=device)
             else:
                 block_limits = None if limits is None else xp.reshape(limits[s0:s1, r0:r1], (-1,))
-                running = None
+                state = None  # blocks of keys joined: attnx.blocks' states
                 for c0 in range(0, stop, key_chunk):
                     c1 = min(stop, c0 + key_chunk)
                     scores = q[s0:s1, r0:r1, :] @ key_t[s0:s1, :, c0:c1]
@@ -266,11 +266,15 @@ def attend(
                     shape = (s1 - s0, r1 - r0, 1)
                     products = scores @ v[s0:s1, c0:c1, :]
                     del scores  # its memory is the next block's
-                    running = _combined(xp, running, (products, xp.reshape(divisors, shape), xp.reshape(maxima, shape)))
-                products, divisors, _ = running
-                if stop > key_chunk:  # joined blocks: a row with no key has a sum of 0
-                    divisors = xp.where(divisors == 0, xp.ones_like(divisors), divisors)
-                result = products / divisors
+                    divisors, maxima = xp.reshape(divisors, shape), xp.reshape(maxima, shape)
+                    if stop <= key_chunk:  # one block of keys: no state to join
+                        result = products / divisors
+                        break
+                    # A keyless row's divisor of 1 weighs exp(-inf - shift) = 0 when joined.
+                    part = blocks.pack(xp, products, divisors, maxima)
+                    state = part if state is None else blocks.combine(state, part, xp=xp)
+                if state is not None:
+                    result = blocks.finish(state, xp=xp)
             if output is None:  # one block: the whole call
                 return xp.reshape(result, (*batch_shape, n, d_v))
             output[s0:s1, r0:r1, :] = result
@@ -307,21 +311,6 @@ def _masked(xp: Any, scores: Any, mask: Any, c0: int, c1: int) -> Any:
         return xp.where(mask, scores, xp.asarray(-math.inf, dtype=scores.dtype, device=scores.device))
     scores += mask
     return scores
-
-
-def _combined(xp: Any, running: Any, block: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
-    """The online softmax: a block of keys' products with the values, sums and
-    maxima joined to those of the blocks before it."""
-    if running is None:
-        return block
-    (products, divisors, maxima), (new_products, new_divisors, new_maxima) = running, block
-    most = xp.maximum(maxima, new_maxima)
-    # Where both are -inf (no key yet) the products are 0: any finite shift
-    # does, and the sum comes out 0 (the divisor of 1 a keyless block gives
-    # weighs exp(-inf) = 0).
-    shift = xp.where(most == -math.inf, xp.zeros_like(most), most)
-    before, now = xp.exp(maxima - shift), xp.exp(new_maxima - shift)
-    return products * before + new_products * now, divisors * before + new_divisors * now, most
 
 
 def scaled_dot_product_attention(

@@ -1,7 +1,7 @@
 """The GPU items of ``bench/RESULTS.md`` ("For the next lent GPU"), timed in
 one process against baselines measured in the same run.
 
-    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native]   # on a machine with CUDA, CuPy and PyTorch
+    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs]   # on a machine with CUDA, CuPy and PyTorch
 
 Each row is :func:`attnx.benchmark.run_case`, as ``attnx bench`` times it
 (the median of at least 5 synchronised calls and 0.25 s, and the peak
@@ -245,15 +245,11 @@ def generic_on_cupy() -> Any:
         backend._natives = None  # built again at the next call
 
 
-def native() -> None:
-    """The CuPy native of SDPA (``attnx_backends.cupy_attention``): first its
+def native_outputs() -> None:
+    """The CuPy native of SDPA (``attnx_backends.cupy_attention``): its
     outputs against the generic algorithm's on CuPy (masks, key lengths,
-    causal, a chunk_size that joins blocks of keys, float64 and float16), then
-    its time against the generic algorithm's and PyTorch's SDPA, each in this
-    process; then causal calls by the blocks of rows they are cut into."""
+    causal, a chunk_size that joins blocks of keys, float64 and float16)."""
     import cupy as cp
-
-    from attnx_backends import cupy_attention
 
     gen = cp.random.default_rng(0)
 
@@ -265,6 +261,7 @@ def native() -> None:
     k, v = inputs((2, 4, m, 64))[:2]
     q64, k64, v64 = (a.astype(cp.float64) for a in (q, k, v))
     square_k, square_v = inputs((2, 4, n, 64))[:2]
+    long_k, long_v = inputs((2, 1, 2000, 64))[:2]
     cases = {
         "plain": (q, k, v, {}),
         "causal": (q, square_k, square_v, {"is_causal": True}),
@@ -285,12 +282,22 @@ def native() -> None:
         ),
         "float64": (q64, k64, v64, {"is_causal": True, "key_lengths": cp.asarray([3, 257])}),
         "float16": (*(a.astype(cp.float16) for a in (q, k, v)), {"is_causal": True}),
+        # Rows longer than a 64 KiB budget holds: blocks of 512 keys, joined.
+        "2000 keys, budget 64 KiB, lengths 0 and 1500": (
+            q[:, :1, :100],
+            long_k,
+            long_v,
+            {"key_lengths": cp.asarray([0, 1500]), "budget": 2**16},
+        ),
     }
     for name, (query, key, value, options) in cases.items():
+        options = dict(options)
+        budget = options.pop("budget", None)
         try:
-            got = attnx.scaled_dot_product_attention(query, key, value, **options)
-            with generic_on_cupy():
-                expected = attnx.scaled_dot_product_attention(query, key, value, **options)
+            with attnx.memory_budget(budget) if budget else contextlib.nullcontext():
+                got = attnx.scaled_dot_product_attention(query, key, value, **options)
+                with generic_on_cupy():
+                    expected = attnx.scaled_dot_product_attention(query, key, value, **options)
             scale = float(cp.abs(expected.astype(cp.float64)).max()) or 1.0
             error = float(cp.abs(got.astype(cp.float64) - expected.astype(cp.float64)).max()) / scale
             finite = bool(cp.isfinite(got).all())
@@ -298,6 +305,23 @@ def native() -> None:
         except Exception as exc:  # every case reports
             line = {"row": f"native against generic: {name}", "error": repr(exc)}
         print(json.dumps(line), flush=True)
+
+
+def native() -> None:
+    """The CuPy native of SDPA: its outputs (:func:`native_outputs`), then its
+    time against the generic algorithm's and PyTorch's SDPA, each in this
+    process; the kernel by its threads per row; causal calls by the blocks
+    of rows they are cut into."""
+    import cupy as cp
+
+    from attnx_backends import cupy_attention
+
+    native_outputs()
+    gen = cp.random.default_rng(1)
+
+    def inputs(shape):
+        return [gen.standard_normal(shape, dtype=cp.float32) for _ in range(3)]
+
     # Host and GPU time of one call (cupyx.profiler.benchmark, means of 30):
     # a call whose host time exceeds its GPU time is launch-bound.
     from cupyx.profiler import benchmark
@@ -367,6 +391,7 @@ if __name__ == "__main__":
         "additive": additive,
         "breakdown": breakdown,
         "native": native,
+        "native_outputs": native_outputs,
     }
     for stage in sys.argv[1:] or ["window", "family"]:  # in the order named: the first is the surest to finish
         try:
