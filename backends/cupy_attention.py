@@ -6,8 +6,8 @@ into a new array, exponentiates, and sums: each a pass over the whole block
 of scores in GPU memory, and together 57% of a textbook attention's time on
 an H200 at (1, 8, 8192, 64) (bench/RESULTS.md, fifth GPU run), where the two
 matrix products were 39%.  Here one kernel (:data:`ROW_SOFTMAX_SOURCE`, a
-block of threads per row) reads each row twice from L2 and writes its
-exponentials in place, with the row's maximum and sum; the output of the
+block of threads per row) reads each row twice, the second time from L2,
+and writes its exponentials in place, with the row's maximum and sum; the output of the
 values' product is divided by the sums, an ``(n, d_v)`` array rather than
 the ``(n, m)`` weights.
 
@@ -46,10 +46,11 @@ from attnx.natives import MIN_ROWS
 #: blocks, 5/8 of the square's scores.  Each block is a round of some ten
 #: launches, which the work skipped pays for only in large calls: by the
 #: scores of the whole call, ``(from, blocks)``.  On an H200, in float32
-#: (bench/RESULTS.md, sixth GPU run), against 4 blocks: (1, 8, 2048, 64),
-#: 2**25 scores, 0.38x in one block; (16, 8, 1024, 64), 2**27, 0.84x in two
-#: and 0.91x in one; (1, 8, 8192, 64), 2**29, 1.36x in one, 1.20x in two and
-#: 1.21x in eight.
+#: (bench/RESULTS.md, sixth GPU run, two machines), against 4 blocks:
+#: (1, 8, 2048, 64), 2**25 scores, 0.38x-0.52x in one block; (1, 8, 8192,
+#: 64), 2**29, 1.36x in one, 1.15x-1.20x in two, 1.18x-1.21x in eight;
+#: (16, 8, 1024, 64), 2**27, 0.84x and 1.13x in two, 0.91x and 1.18x in
+#: one (the two machines disagreed there).
 CAUSAL_BLOCKS = ((2**29, 4), (2**27, 2))
 #: The row softmax's threads per row: one for every SCORES_PER_THREAD scores
 #: (a power of two), a warp at least, MAX_THREADS at most.  The kernel alone
@@ -183,9 +184,9 @@ def plan(
     else:
         key_chunk = m if MIN_ROWS * m * itemsize <= budget else min(m, max(MIN_KEYS, budget // (MIN_ROWS * itemsize)))
         rows = min(n, max(MIN_ROWS, budget // (key_chunk * itemsize)))
-        blocks = next((count for scores, count in CAUSAL_BLOCKS if slices * n * m >= scores), 1) if is_causal else 1
-        if blocks > 1:
-            rows = min(rows, max(MIN_ROWS, -(-n // blocks)))
+        row_blocks = next((count for scores, count in CAUSAL_BLOCKS if slices * n * m >= scores), 1) if is_causal else 1
+        if row_blocks > 1:
+            rows = min(rows, max(MIN_ROWS, -(-n // row_blocks)))
     per_block = max(1, min(slices, budget // (rows * key_chunk * itemsize)))
     return per_block, rows, key_chunk
 
