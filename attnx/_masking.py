@@ -50,11 +50,15 @@ def _positions(
 ) -> tuple[Any, Any]:
     """Query positions aligned to key positions, as (rows, 1) and (1, cols)
     grids; ``rows``/``cols`` select a block (a range of queries/keys)."""
-    r0, r1 = rows or (0, n)
     c0, c1 = cols or (0, m)
-    query_positions = xp.arange(r0, r1, device=device)[:, None] + _offset(n, m, align)
     key_positions = xp.arange(c0, c1, device=device)[None, :]
-    return query_positions, key_positions
+    return _query_positions(xp, n, m, align, device, rows)[:, None], key_positions
+
+
+def _query_positions(xp: Any, n: int, m: int, align: str, device: Any, rows: Span | None = None) -> Any:
+    """``(rows,)``: the queries' positions on the keys' axis."""
+    r0, r1 = rows or (0, n)
+    return xp.arange(r0, r1, device=device) + _offset(n, m, align)
 
 
 def causal(
@@ -232,6 +236,24 @@ def lengths_mask(
         c0, c1 = cols or (0, m)
         positions = xp.arange(c0, c1, device=device_of(key_lengths), dtype=key_lengths.dtype)
     return positions < lengths
+
+
+def key_counts(
+    xp: Any, key_lengths: Any, is_causal: bool, batch_shape: tuple[int, ...], n: int, m: int, device: Any = None
+) -> Any:
+    """How many keys each query attends under the causal rule and
+    ``key_lengths``, both of which keep a prefix of a row's keys: int64,
+    broadcastable to ``(*batch_shape, n)``, at most ``m`` (lengths lie in
+    ``[0, m]``) and below 0 where a causal query has no key; None where the
+    call has neither rule."""
+    counts = None
+    if key_lengths is not None:
+        device = device if device is not None else device_of(key_lengths)
+        counts = xp.astype(aligned_lengths(xp, key_lengths, batch_shape, n)[..., 0], xp.int64)
+    if is_causal:  # the keys at or before the query's position (causal_rule)
+        before = xp.astype(_query_positions(xp, n, m, "bottom_right", device), xp.int64) + 1
+        counts = before if counts is None else xp.minimum(counts, before)
+    return counts
 
 
 def aligned_lengths(xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, rows: Span | None = None) -> Any:

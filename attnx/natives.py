@@ -11,6 +11,9 @@ nothing private, as a backend in another package would.
   ``attn_mask``), or any block of it.
 - :func:`aligned_lengths`: a call's ``key_lengths``, in whichever layout
   the user gave them, aligned to the scores' axes.
+- :func:`key_counts`: the causal rule and ``key_lengths`` as one number
+  per query, the keys it attends (both keep a prefix of a row's keys), for
+  a kernel that stops each row there rather than reading a mask.
 - :func:`planned_chunks`: attnx's plan of blocks for a call, under the
   memory budget in force (a native with a plan of its own, see
   :meth:`attnx.Backend.specialize`, asks it at each call).
@@ -38,7 +41,7 @@ from attnx._tiling import KEY_CHUNK, MIN_ROWS
 from attnx.attention import choose_chunks
 from attnx.backend import Backend
 
-__all__ = ["KEY_CHUNK", "MIN_ROWS", "aligned_lengths", "combined_mask", "planned_chunks"]
+__all__ = ["KEY_CHUNK", "MIN_ROWS", "aligned_lengths", "combined_mask", "key_counts", "planned_chunks"]
 
 
 def combined_mask(
@@ -125,6 +128,34 @@ def aligned_lengths(
     (2, 1, 1, 1)
     """
     return _masking.aligned_lengths(xp, key_lengths, batch_shape, n, rows)
+
+
+def key_counts(
+    xp: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    batch_shape: tuple[int, ...],
+    n: int,
+    m: int,
+    *,
+    device: Any = None,
+) -> Any:
+    """How many keys each query attends under the causal rule and
+    ``key_lengths``: query ``i`` attends the keys ``j < counts[..., i]``.
+
+    Int64, broadcastable to ``(*batch_shape, n)``; at most ``m`` (attnx's
+    checks keep lengths within ``[0, m]``), and below 0 where a causal query
+    (``n > m``) has no key at all; None where the call has neither rule.  A ``mask`` is not counted: it need not keep a prefix.
+
+    Examples
+    --------
+    >>> import array_api_compat.numpy as xp
+    >>> from attnx import natives
+    >>> natives.key_counts(xp, xp.asarray([2, 4]), True, (2,), 3, 4)
+    array([[2, 2, 2],
+           [2, 3, 4]])
+    """
+    return _masking.key_counts(xp, key_lengths, is_causal, batch_shape, n, m, device)
 
 
 def planned_chunks(

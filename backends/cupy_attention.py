@@ -194,21 +194,16 @@ def plan(
 def _row_limits(
     xp: Any, key_lengths: Any, is_causal: bool, batch_shape: tuple[int, ...], n: int, m: int, device: Any
 ) -> Any:
-    """``(slices, n)`` int32: the keys each query may attend (the causal rule
-    and the key lengths; at most ``m``, and below 0 where none: the kernel
-    reads those as 0), or None where it is every key.  Not ``clip``: the
-    array API's on CuPy indexes by a boolean mask, which waits for the GPU."""
-    if key_lengths is None and not is_causal:
+    """``(slices, n)`` int32: the keys each query may attend
+    (:func:`attnx.natives.key_counts`; below 0 where none, which the kernel
+    reads as 0), or None where it is every key.  Not clamped with ``clip``:
+    array-api-compat's on CuPy indexes by a boolean mask, which waits for
+    the GPU."""
+    counts = natives.key_counts(xp, key_lengths, is_causal, batch_shape, n, m, device=device)
+    if counts is None:
         return None
-    slices = math.prod(batch_shape)
-    limits = xp.full((slices, n), m, dtype=xp.int64, device=device)
-    if is_causal:  # query i attends the keys j <= i + (m - n)
-        limits = xp.minimum(limits, xp.arange(n, dtype=xp.int64, device=device) + (m - n + 1))
-    if key_lengths is not None:
-        lengths = natives.aligned_lengths(xp, key_lengths, batch_shape, n)
-        lengths = xp.reshape(xp.broadcast_to(lengths, (*batch_shape, n, 1)), (slices, n))
-        limits = xp.minimum(limits, xp.astype(lengths, xp.int64))
-    return xp.astype(limits, xp.int32)
+    counts = xp.reshape(xp.broadcast_to(counts, (*batch_shape, n)), (math.prod(batch_shape), n))
+    return xp.astype(counts, xp.int32)
 
 
 def attend(

@@ -104,6 +104,40 @@ def test_aligned_lengths_are_the_reference_s_lengths_in_every_layout(shape, leng
     )
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 7),
+    m=st.integers(1, 7),
+    is_causal=st.booleans(),
+    layout=st.sampled_from([None, "batch", "sequence", "query"]),
+    strict=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_key_counts_are_the_reference_s_rule_as_one_number_per_query(n, m, is_causal, layout, strict, seed):
+    """The causal rule and the key lengths of every layout keep the first
+    ``count`` keys of each row: exactly what the reference allows; in the
+    array API alone (array-api-strict) too."""
+    batch = (2, 3)
+    shape = {"batch": (2,), "sequence": batch, "query": (*batch, n)}.get(layout)
+    key_lengths = None if layout is None else np.random.default_rng(seed).integers(0, m + 1, size=shape)
+    namespace = xp
+    if strict:
+        import array_api_strict as namespace
+
+        key_lengths = None if key_lengths is None else namespace.asarray(key_lengths)
+    counts = natives.key_counts(namespace, key_lengths, is_causal, batch, n, m)
+    if key_lengths is None and not is_causal:
+        assert counts is None
+        return
+    counts = np.asarray(counts)
+    key_lengths = None if key_lengths is None else np.asarray(key_lengths)
+    assert counts.dtype == np.int64 and counts.max() <= m
+    allowed = reference.allowed_mask(
+        n, m, batch_shape=batch, key_lengths=key_lengths, lengths_per=layout or "sequence", is_causal=is_causal
+    )
+    np.testing.assert_array_equal(np.arange(m) < np.broadcast_to(counts, (*batch, n))[..., None], allowed)
+
+
 @pytest.mark.parametrize(
     "shape, budget, threads",
     [((1, 2, 16, 8), None, 1), ((4, 8, 256, 16), 2**18, 1), ((1, 8, 128, 16), None, 2)],
