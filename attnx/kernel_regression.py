@@ -76,16 +76,21 @@ def nadaraya_watson(
 
     Notes
     -----
-    Without the weights, the ``(n, m)`` kernel is never held whole: queries
-    go in chunks whose kernel (``(chunk, m, d)`` differences past 16
-    features) fits one block of the backend
+    The kernel is made a chunk of queries at a time: chunks whose kernel
+    (``(chunk, m, d)`` differences past 16 features) fit one block of the
+    backend
     (:meth:`attnx.Backend.block_bytes_on` the inputs' device, within the
     memory budget; 16 MiB at least where a tracer unrolls the chunks, as
     ``torch.compile`` does), one query at least, through the backend's
     :meth:`~attnx.Backend.map_chunks` (under ``jax.jit``, one ``lax.map``).
-    At n = m = 2048 in float64 on NumPy the peak is 12 MiB where the whole
-    kernel and the arrays beside it took 96 MiB (bench/RESULTS.md has the
-    times: 0.6-0.8x of whole where the allocator keeps freed memory).
+    Without the weights the kernel is never whole: at n = m = 2048 in
+    float64 on NumPy the peak is 12 MiB where the whole kernel and the
+    arrays beside it took 96 MiB (bench/RESULTS.md has the times: 0.6-0.8x
+    of whole where the allocator keeps freed memory).  With them, the
+    ``(n, m)`` weights are the output: each chunk's are normalised alone
+    and joined, so the peak is the weights twice over (the chunks, and
+    their join) where it was three times, and 2 GiB of differences with 32
+    features.
 
     A query that no key reaches (compact kernels) gets zeros, never NaN.
     With the gaussian, a query gets the value of its nearest key (the mean
@@ -193,37 +198,48 @@ def _nadaraya_watson_generic(
     block_bytes: int,
     map_chunks: Callable[..., Any],
 ) -> Any:
-    """The estimate, in chunks of queries whose ``(chunk, m)`` kernel fits
-    one block (``(chunk, m, d)`` past :data:`_FEATURES_ONE_AT_A_TIME`
-    features), through ``map_chunks`` (:meth:`attnx.Backend.map_chunks`);
-    with the weights, whole: they are ``(n, m)`` themselves."""
+    """The estimate (and the weights), in chunks of queries whose ``(chunk,
+    m)`` kernel fits one block (``(chunk, m, d)`` past
+    :data:`_FEATURES_ONE_AT_A_TIME` features), through ``map_chunks``
+    (:meth:`attnx.Backend.map_chunks`)."""
     dtype = queries.dtype
-    if return_weights:
-        queries, keys, values, bandwidth = _in_state_dtype(xp, queries, keys, values, bandwidth)
-        kernel_values, _, _ = _kernel_values(xp, queries, keys, kernel, bandwidth)
-        weights = kernel_values / _masking.safe_total(xp, kernel_values)
-        estimate = weights @ values if values.ndim == 2 else xp.sum(weights * values, axis=-1)
-        if estimate.dtype != dtype:
-            estimate, weights = xp.astype(estimate, dtype), xp.astype(weights, dtype)
-        return estimate, weights
     n, m = queries.shape[0], keys.shape[0]
     width = keys.shape[1] if keys.ndim == 2 else 1
     step = None  # one chunk where a size is unknown: a lazy library's arrays come in chunks of their own
     if _checks.known(n, m, width):
         features = width if width > _FEATURES_ONE_AT_A_TIME else 1
         step = _tiling.rows_per_chunk(block_bytes, _tiling.itemsize(xp, dtype) * m * features)
-    if step is None or n <= step:  # one chunk
+    one_chunk = step is None or n <= step
+    if one_chunk and not return_weights:
         state = kernel_state(queries, keys, values, kernel=kernel, bandwidth=bandwidth, xp=xp)
         return finish_state(state, values, dtype=dtype, xp=xp)
     queries, keys, values, bandwidth = _in_state_dtype(xp, queries, keys, values, bandwidth)
+    rows = queries if queries.ndim == 2 else queries[:, None]  # scalar queries as (n, 1)
+
+    def in_chunks(function: Callable[[Any], Any]) -> Any:
+        def of_rows(chunk: Any) -> Any:  # (c, d) -> (c, e)
+            return function(chunk if keys.ndim == 2 else chunk[:, 0])
+
+        return of_rows(rows) if one_chunk else map_chunks(of_rows, rows, step)
+
+    if return_weights:  # (n, m) themselves, but each chunk's kernel is made and normalised alone
+
+        def weights_of(chunk: Any) -> Any:
+            kernel_values, _, _ = _kernel_values(xp, chunk, keys, kernel, bandwidth)
+            return kernel_values / _masking.safe_total(xp, kernel_values)
+
+        weights = in_chunks(weights_of)
+        estimate = weights @ values
+        if estimate.dtype != dtype:
+            estimate, weights = xp.astype(estimate, dtype), xp.astype(weights, dtype)
+        return estimate, weights
     columns = values if values.ndim == 2 else values[:, None]
 
-    def estimate_of(chunk: Any) -> Any:  # (c, d) -> (c, d_v); scalar queries as (c, 1)
-        chunk = chunk if keys.ndim == 2 else chunk[:, 0]
+    def estimate_of(chunk: Any) -> Any:
         state = kernel_state(chunk, keys, columns, kernel=kernel, bandwidth=bandwidth, xp=xp)
         return blocks.finish(state, dtype=dtype, xp=xp)
 
-    estimate = map_chunks(estimate_of, queries if queries.ndim == 2 else queries[:, None], step)
+    estimate = in_chunks(estimate_of)
     return estimate if values.ndim == 2 else estimate[:, 0]
 
 

@@ -112,6 +112,10 @@ def _family_cases():
             lambda be: lambda q, k, v: attnx.nadaraya_watson(q, k, v, bandwidth=0.8),
             [gen.standard_normal(5), gen.standard_normal(5), gen.standard_normal(5)],
         ),
+        "nadaraya_watson, weights in chunks": (  # under BUDGETS' budget; two columns of the weights
+            lambda be: lambda q, k: attnx.nadaraya_watson(q, k, k, bandwidth=0.8, return_weights=True)[1][:, :2],
+            [gen.standard_normal(5), gen.standard_normal(5)],
+        ),
         "additive_attention, queries in chunks": (  # under BUDGETS' budget
             lambda be: lambda q, k, w_v: attnx.additive_attention(q, k, k, {**_on(be, add_params), "w_v": w_v}),
             [gen.standard_normal((5, 3)), gen.standard_normal((4, 2)), add_params["w_v"]],
@@ -127,7 +131,11 @@ def _on(be, params):
 #: queries take 128 bytes each in float64 (4 keys x h = 4): its 5 queries go
 #: in chunks of 2 (of 4 in float32), the last shorter; Nadaraya-Watson's
 #: take 40 bytes each (5 keys), in chunks of 2 under 80.
-BUDGETS = {"additive_attention, queries in chunks": 256, "nadaraya_watson, queries in chunks": 80}
+BUDGETS = {
+    "additive_attention, queries in chunks": 256,
+    "nadaraya_watson, queries in chunks": 80,
+    "nadaraya_watson, weights in chunks": 80,
+}
 
 
 @pytest.mark.parametrize("operation", list(_family_cases()))

@@ -65,6 +65,26 @@ def test_estimates_in_chunks_of_queries_match_reference(attnx_backend, kernel, d
         assert_close(out, expected, be, dtype, scale=10)
 
 
+@pytest.mark.parametrize("kernel", ["gaussian", "boxcar", "epanechnikov"])
+@pytest.mark.parametrize("d, d_v", [(None, None), (2, 3), (20, None)])
+def test_weights_in_chunks_of_queries_match_reference(attnx_backend, kernel, d, d_v):
+    """With the weights returned, the same budget cuts the queries into the
+    same chunks (each chunk's kernel made and normalised alone): weights and
+    estimates as the reference's."""
+    be = attnx_backend
+    queries, keys, values = _inputs(42, d, d_v, far=0)
+    for dtype in be.dtypes:
+        args = [be.array(a, dtype) for a in (queries, keys, values)]
+        with under_budget(480):
+            out, w = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.7, return_weights=True)
+        exact = [rounded(a, be, dtype) for a in (queries, keys, values)]
+        expected, expected_w = reference.nadaraya_watson(*exact, kernel=kernel, bandwidth=0.7)
+        if kernel == "gaussian":  # the reference underflows far away; attnx's softmax doesn't
+            out, w, expected, expected_w = out[1:, ...], w[1:, ...], expected[1:], expected_w[1:]
+        assert_close(out, expected, be, dtype, scale=10)
+        assert_close(w, expected_w, be, dtype)
+
+
 @PROPERTY_SETTINGS
 @given(
     n=st.integers(1, 9),
@@ -77,7 +97,8 @@ def test_estimates_in_chunks_of_queries_match_reference(attnx_backend, kernel, d
 )
 def test_estimates_do_not_depend_on_the_chunks(attnx_backend, n, m, features, d_v, kernel, budget, seed):
     """Queries in chunks of any size (a budget of 8 bytes: one query a
-    chunk), no keys at all included, give the estimates of one chunk."""
+    chunk), no keys at all included, give the estimates (and the weights)
+    of one chunk."""
     be = attnx_backend
     gen = np.random.default_rng(seed)
     shape = (lambda rows: (rows,)) if features is None else (lambda rows: (rows, features))
@@ -85,9 +106,13 @@ def test_estimates_do_not_depend_on_the_chunks(attnx_backend, n, m, features, d_
     values = gen.standard_normal((m,) if d_v is None else (m, d_v))
     args = [be.array(a, "float64") for a in (queries, keys, values)]
     whole = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.6)
+    whole_weights = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.6, return_weights=True)
     with under_budget(budget):
         chunked = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.6)
+        chunked_weights = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.6, return_weights=True)
     np.testing.assert_allclose(be.numpy(chunked), be.numpy(whole), **tolerances(be))
+    for got, expected in zip(chunked_weights, whole_weights):  # the estimate, then the weights
+        np.testing.assert_allclose(be.numpy(got), be.numpy(expected), **tolerances(be))
 
 
 @pytest.mark.parametrize("kernel, expected", [("boxcar", [0.5, 0.5, 0.0]), ("epanechnikov", [1.0, 0.0, 0.0])])

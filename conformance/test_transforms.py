@@ -161,6 +161,11 @@ def _family(be, dtype):
             lambda q, k, v: attnx.nadaraya_watson(q, k, v, bandwidth=0.7),
             tuple(be.array(gen.standard_normal(s), dtype) for s in ((5, 2), (9, 2), (9, 3))),
         ),
+        # The weights, in the same chunks (BUDGETS).
+        "nadaraya_watson, weights in chunks": (
+            lambda q, k, v: attnx.nadaraya_watson(q, k, v, bandwidth=0.7, return_weights=True)[1],
+            tuple(be.array(gen.standard_normal(s), dtype) for s in ((5, 2), (9, 2), (9, 3))),
+        ),
         "apply_rotary": (
             lambda x, positions: attnx.apply_rotary(x, positions),
             (x, be.array(np.array([3, 0, 7, 1, 2]))),
@@ -181,8 +186,12 @@ def _family(be, dtype):
 #: go in chunks of 2 (of 4 in float32), the last shorter, through the
 #: backend's map_chunks (a traced loop where it overrides it).  Nadaraya-
 #: Watson's take 72 bytes each in float64 (9 keys): its 5 queries go in
-#: chunks of 2 the same way.
-BUDGETS = {"additive_attention, queries in chunks": 960, "nadaraya_watson, queries in chunks": 144}
+#: chunks of 2 the same way, with the weights returned too.
+BUDGETS = {
+    "additive_attention, queries in chunks": 960,
+    "nadaraya_watson, queries in chunks": 144,
+    "nadaraya_watson, weights in chunks": 144,
+}
 
 OPERATIONS = [
     "multi_head_attention",
@@ -192,6 +201,7 @@ OPERATIONS = [
     "masked_softmax",
     "nadaraya_watson",
     "nadaraya_watson, queries in chunks",
+    "nadaraya_watson, weights in chunks",
     "apply_rotary",
     "causal_conv1d",
 ]

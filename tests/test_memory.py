@@ -141,3 +141,26 @@ def test_kernel_regression_holds_one_block_of_its_kernel(features):
     rows = [0, n // 2, n - 1]
     expected, _ = reference.nadaraya_watson(queries[rows], keys, values, bandwidth=0.5)
     np.testing.assert_allclose(out[rows], expected, rtol=1e-10)
+
+
+@pytest.mark.parametrize("features", [None, 2, 32], ids=["scalar", "2-features", "32-features"])
+def test_kernel_regression_with_its_weights_holds_them_and_one_block(features):
+    """With ``return_weights=True`` the ``(n, m)`` weights are the output, but
+    the kernel is still made a chunk of queries at a time: at n = m = 2048
+    in float64 the peak is the weights and their chunks before they are
+    joined (64 MiB), and blocks; made whole, it was 96 MiB (32 features: 2
+    GiB of differences)."""
+    gen = np.random.default_rng(1)
+    n = 2048
+    shape = (n,) if features is None else (n, features)
+    queries, keys = gen.standard_normal(shape), gen.standard_normal(shape)
+    values = gen.standard_normal(n)
+    peak, (out, weights) = peak_bytes(
+        lambda: attnx.nadaraya_watson(queries, keys, values, bandwidth=0.5, return_weights=True)
+    )
+    limit = 2 * weights.nbytes + 4 * attnx.get_memory_budget()
+    assert peak <= limit, f"peak {peak / MiB:.1f} MiB over {limit / MiB:.0f} MiB"
+    rows = [0, n // 2, n - 1]
+    expected, expected_weights = reference.nadaraya_watson(queries[rows], keys, values, bandwidth=0.5)
+    np.testing.assert_allclose(out[rows], expected, rtol=1e-10)
+    np.testing.assert_allclose(weights[rows], expected_weights, rtol=1e-10, atol=1e-300)
