@@ -30,12 +30,18 @@ def _inputs(seed, d, d_v, far):
 @pytest.mark.parametrize("kernel", ["gaussian", "boxcar", "epanechnikov"])
 @pytest.mark.parametrize("d, d_v", [(None, None), (None, 3), (2, None), (3, 2), (20, 2)])
 def test_matches_reference(attnx_backend, kernel, d, d_v):
-    be = attnx_backend
-    queries, keys, values = _inputs(40, d, d_v, far=0)
+    _assert_weights_match_reference(attnx_backend, _inputs(40, d, d_v, far=0), kernel)
+
+
+def _assert_weights_match_reference(be, inputs, kernel, budget=None):
+    """Estimates and weights (``return_weights=True``) as the reference's, in
+    each of the backend's dtypes, under ``budget`` if given; the far query
+    (the first) left out for the gaussian, whose reference underflows."""
     for dtype in be.dtypes:
-        args = [be.array(a, dtype) for a in (queries, keys, values)]
-        out, w = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.7, return_weights=True)
-        exact = [rounded(a, be, dtype) for a in (queries, keys, values)]
+        args = [be.array(a, dtype) for a in inputs]
+        with under_budget(budget):
+            out, w = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.7, return_weights=True)
+        exact = [rounded(a, be, dtype) for a in inputs]
         expected, expected_w = reference.nadaraya_watson(*exact, kernel=kernel, bandwidth=0.7)
         if kernel == "gaussian":  # the reference underflows far away; attnx's softmax doesn't
             out, w, expected, expected_w = out[1:, ...], w[1:, ...], expected[1:], expected_w[1:]
@@ -71,18 +77,7 @@ def test_weights_in_chunks_of_queries_match_reference(attnx_backend, kernel, d, 
     """With the weights returned, the same budget cuts the queries into the
     same chunks (each chunk's kernel made and normalised alone): weights and
     estimates as the reference's."""
-    be = attnx_backend
-    queries, keys, values = _inputs(42, d, d_v, far=0)
-    for dtype in be.dtypes:
-        args = [be.array(a, dtype) for a in (queries, keys, values)]
-        with under_budget(480):
-            out, w = attnx.nadaraya_watson(*args, kernel=kernel, bandwidth=0.7, return_weights=True)
-        exact = [rounded(a, be, dtype) for a in (queries, keys, values)]
-        expected, expected_w = reference.nadaraya_watson(*exact, kernel=kernel, bandwidth=0.7)
-        if kernel == "gaussian":  # the reference underflows far away; attnx's softmax doesn't
-            out, w, expected, expected_w = out[1:, ...], w[1:, ...], expected[1:], expected_w[1:]
-        assert_close(out, expected, be, dtype, scale=10)
-        assert_close(w, expected_w, be, dtype)
+    _assert_weights_match_reference(attnx_backend, _inputs(42, d, d_v, far=0), kernel, budget=480)
 
 
 @PROPERTY_SETTINGS
