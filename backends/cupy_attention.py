@@ -337,9 +337,9 @@ def scaled_dot_product_attention(
         or (mask is not None and math.prod(mask.shape[:-2]) > 1)
     ):
         return NotImplemented
-    dtype = query.dtype
-    if dtype.name == "float16":  # attnx's rule: half precision is computed in float32
-        query, key, value = (xp.astype(a, xp.float32) for a in (query, key, value))
+    dtype, compute = query.dtype, blocks.state_dtype(xp, query.dtype)  # attnx's rule: half precision in float32
+    if compute != dtype:
+        query, key, value = (xp.astype(a, compute) for a in (query, key, value))
     if not isinstance(scale, float):  # a 0-d array, in the inputs' dtype
         scale = xp.astype(scale, query.dtype)
     with query.device:
