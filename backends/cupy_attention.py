@@ -13,11 +13,12 @@ the ``(n, m)`` weights.
 
 The causal rule and ``key_lengths`` reach the kernel as one number per row,
 the keys it may attend (:func:`_row_limits`): no mask is built or applied.
-A ``mask`` is added to (or applied to) the scores before the kernel; one
-with leading axes of its own over several slices is declined to the generic
-algorithm, which cuts such masks by batch (laid out by slice, it would be as
-large as the scores).  A row with no key to attend gets zeros, as attnx's
-algorithm gives.
+A ``mask`` is added to (or applied to) the scores before the kernel, a
+block at a time; one with leading axes of its own (a ``(B, 1, 1, m)``
+padding mask, a per-head bias) gives each block of slices its entries by
+integer indexing (:func:`_mask_slices`), never laid out for the whole call
+(it would be as large as the scores).  A row with no key to attend gets
+zeros, as attnx's algorithm gives.
 
 Blocks hold whole rows of keys where the memory budget allows
 (:func:`plan`), so most calls need no running maximum; where they don't
@@ -222,8 +223,7 @@ def attend(
     chunks: tuple[int, int] | None,
 ) -> Any:
     """Scaled dot-product attention of float32 or float64 inputs with at
-    least one query, key and feature, in blocks of :func:`plan`; a ``mask``
-    has no leading axis of more than one entry (it is shared by every slice)."""
+    least one query, key and feature, in blocks of :func:`plan`."""
     n, m, d_v = query.shape[-2], key.shape[-2], value.shape[-1]
     slices = math.prod(batch_shape)
     dtype, device = query.dtype, query.device
@@ -237,6 +237,9 @@ def attend(
     key_t = xp.matrix_transpose(k)
     limits = _row_limits(xp, key_lengths, is_causal, batch_shape, n, m, device)
     itemsize = 4 if dtype == xp.float32 else 8
+    mask_slices = _mask_slices(xp, mask, batch_shape, device)
+    if mask_slices is not None:  # each block's entries of the mask, beside its scores
+        itemsize += 1 if mask.dtype == xp.bool else itemsize
     per_block, rows, key_chunk = plan(slices, n, m, itemsize, is_causal, budget, chunks)
     output = None
     if per_block < slices or rows < n:
@@ -245,7 +248,6 @@ def attend(
         r1 = min(n, r0 + rows)
         # Keys past the last row's diagonal are in every row's future.
         stop = max(0, min(m, r1 + m - n)) if is_causal else m
-        block_mask = None if mask is None else _rows_of_mask(xp, mask, batch_shape, n, m, r0, r1, dtype, device)
         for s0 in range(0, slices, per_block):
             s1 = min(slices, s0 + per_block)
             if stop == 0:  # no query of the block has a key to attend
@@ -256,8 +258,10 @@ def attend(
                 for c0 in range(0, stop, key_chunk):
                     c1 = min(stop, c0 + key_chunk)
                     scores = q[s0:s1, r0:r1, :] @ key_t[s0:s1, :, c0:c1]
-                    if block_mask is not None:
-                        scores = _masked(xp, scores, block_mask, c0, c1)
+                    if mask is not None:
+                        block = (s0, s1, r0, r1, c0, c1)
+                        block_mask = _mask_block(xp, mask, mask_slices, block, batch_shape, n, m, dtype, device)
+                        scores = _masked(xp, scores, block_mask)
                     maxima, divisors = row_softmax(xp.reshape(scores, (-1, c1 - c0)), block_limits, c0)
                     shape = (s1 - s0, r1 - r0, 1)
                     products = scores @ v[s0:s1, c0:c1, :]
@@ -277,13 +281,36 @@ def attend(
     return xp.reshape(output, (*batch_shape, n, d_v))
 
 
-def _rows_of_mask(
-    xp: Any, mask: Any, batch_shape: tuple[int, ...], n: int, m: int, r0: int, r1: int, dtype: Any, device: Any
+def _mask_slices(xp: Any, mask: Any, batch_shape: tuple[int, ...], device: Any) -> Any:
+    """``(slices,)``: for a ``mask`` with leading axes over several slices,
+    each slice's entry of them (flattened); None for a mask that every slice
+    shares (or none).  attnx's checks keep a mask's leading axes within
+    ``batch_shape``, which they broadcast to."""
+    if mask is None or math.prod(mask.shape[:-2]) <= 1:
+        return None
+    leading = tuple(mask.shape[:-2])
+    entries = xp.reshape(xp.arange(math.prod(leading), device=device), leading)
+    return xp.reshape(xp.broadcast_to(entries, batch_shape), (-1,))
+
+
+def _mask_block(
+    xp: Any,
+    mask: Any,
+    mask_slices: Any,
+    block: tuple[int, int, int, int, int, int],
+    batch_shape: tuple[int, ...],
+    n: int,
+    m: int,
+    dtype: Any,
+    device: Any,
 ) -> Any:
-    """The user's ``mask`` for the queries ``r0:r1``, boolean or real in
-    ``dtype``, without its leading axes (each of one entry): ``(rows, m)``,
-    or any shape that broadcasts to it."""
-    block = natives.combined_mask(
+    """The user's ``mask`` for the block ``(s0, s1, r0, r1, c0, c1)`` of
+    slices, queries and keys, boolean or real in ``dtype``: ``(s1 - s0,
+    rows, keys)`` where it has entries per slice (``mask_slices``), taken by
+    integer indexing, else without its leading axes, ``(rows, keys)`` or any
+    shape that broadcasts to it."""
+    s0, s1, r0, r1, c0, c1 = block
+    cut = natives.combined_mask(
         xp,
         mask=mask,
         key_lengths=None,
@@ -294,15 +321,17 @@ def _rows_of_mask(
         dtype=dtype,
         device=device,
         rows=(r0, r1),
+        cols=(c0, c1),
     )
-    return xp.reshape(block, block.shape[-2:]) if block.ndim > 2 else block
+    if mask_slices is not None:
+        entries = xp.reshape(cut, (-1, *cut.shape[-2:]))
+        return xp.take(entries, mask_slices[s0:s1], axis=0)
+    return xp.reshape(cut, cut.shape[-2:]) if cut.ndim > 2 else cut
 
 
-def _masked(xp: Any, scores: Any, mask: Any, c0: int, c1: int) -> Any:
-    """``scores``, the keys ``c0:c1``, with the block's ``mask`` applied:
-    ``-inf`` where a boolean mask forbids, a real one added."""
-    if mask.ndim > 0 and mask.shape[-1] != 1:
-        mask = mask[..., c0:c1]
+def _masked(xp: Any, scores: Any, mask: Any) -> Any:
+    """``scores`` with their block's ``mask`` applied: ``-inf`` where a
+    boolean mask forbids, a real one added."""
     if mask.dtype == xp.bool:
         return xp.where(mask, scores, xp.asarray(-math.inf, dtype=scores.dtype, device=scores.device))
     scores += mask
@@ -325,8 +354,8 @@ def scaled_dot_product_attention(
     backend: Any,
 ) -> Any:
     """attnx's native entry point (see :meth:`attnx.Backend.implementations`);
-    ``backend`` is bound by it.  Declines the weights, calls with no query,
-    key or feature, and a ``mask`` with leading axes over several slices."""
+    ``backend`` is bound by it.  Declines the weights and calls with no
+    query, key or feature."""
     import array_api_compat.cupy as xp
 
     n, m = query.shape[-2], key.shape[-2]
@@ -334,7 +363,6 @@ def scaled_dot_product_attention(
         return_weights
         or query.dtype.name not in ("float32", "float64", "float16")
         or 0 in (n, m, query.shape[-1], value.shape[-1], math.prod(batch_shape))
-        or (mask is not None and math.prod(mask.shape[:-2]) > 1)
     ):
         return NotImplemented
     dtype, compute = query.dtype, blocks.state_dtype(xp, query.dtype)  # attnx's rule: half precision in float32

@@ -272,7 +272,14 @@ def native_outputs() -> None:
         "additive mask": (q, k, v, {"mask": gen.standard_normal((n, m), dtype=cp.float32)}),
         "additive scalar mask": (q, k, v, {"mask": cp.asarray(1.5)}),
         "row of keys": (q, k, v, {"mask": gen.random(m) < 0.5, "is_causal": True}),
-        "mask of each slice (declined)": (q, k, v, {"mask": gen.random((2, 4, n, m)) < 0.5}),
+        "boolean mask of each slice": (q, k, v, {"mask": gen.random((2, 4, n, m)) < 0.5}),
+        "padding mask (2, 1, 1, m)": (q, k, v, {"mask": gen.random((2, 1, 1, m)) < 0.5, "is_causal": True}),
+        "per-head bias (4, n, m), budget 64 KiB": (
+            q,
+            k,
+            v,
+            {"mask": gen.standard_normal((4, n, m), dtype=cp.float32), "budget": 2**16},
+        ),
         "chunk_size (64, 100)": (q, k, v, {"chunk_size": (64, 100), "is_causal": True}),
         "chunk_size (64, 100), lengths 0 and 100": (
             q,

@@ -48,7 +48,9 @@ def test_kernel_source_is_written_for_each_dtype():
     m=st.integers(1, 11),
     is_causal=st.booleans(),
     lengths=st.sampled_from([None, "batch_first", "sequence", "query"]),
-    mask_kind=st.sampled_from([None, "bool", "real", "keys_row", "scalar", "leading_one"]),
+    mask_kind=st.sampled_from(
+        [None, "bool", "real", "keys_row", "scalar", "leading_one", "padding", "per_batch", "per_head", "per_slice"]
+    ),
     chunks=st.sampled_from([None, (2, 3), (4, 1), (1, 5)]),
     budget=st.sampled_from([2**20, 96]),
     dtype=st.sampled_from([np.float32, np.float64]),
@@ -57,7 +59,8 @@ def test_kernel_source_is_written_for_each_dtype():
 def test_blocks_compute_the_reference(batch, n, m, is_causal, lengths, mask_kind, chunks, budget, dtype, seed):
     """Every plan (whole rows, blocks of keys joined by the online softmax,
     causal blocks of rows, a budget of a few scores) against the float64
-    reference, with masks, key lengths of each layout and rows that have no
+    reference, with masks (shared by every slice, or with entries per batch,
+    per head or per slice), key lengths of each layout and rows that have no
     key at all."""
     rng = np.random.default_rng(seed)
     d_k, d_v = 3, 2
@@ -83,6 +86,15 @@ def test_blocks_compute_the_reference(batch, n, m, is_causal, lengths, mask_kind
         mask = additive = np.asarray(1.5, dtype=dtype)
     elif mask_kind == "leading_one":  # leading axes of one entry, as many as the batch's
         mask = additive = rng.standard_normal((*(1,) * len(batch), n, m)).astype(dtype)
+    elif mask_kind == "padding" and batch:  # (B, 1, 1, m): keys per batch entry
+        mask = allowed_by_mask = rng.random((batch[0], *(1,) * len(batch[1:]), 1, m)) < 0.7
+    elif mask_kind == "per_batch" and batch:  # (B, 1, n, m)
+        mask = allowed_by_mask = rng.random((batch[0], *(1,) * len(batch[1:]), n, m)) < 0.7
+    elif mask_kind == "per_head" and batch:  # (H, n, m) after the batch's first axes: a per-head bias
+        bias = np.where(rng.random((batch[-1], n, m)) < 0.2, -np.inf, rng.standard_normal((batch[-1], n, m)))
+        mask = additive = bias.astype(dtype)
+    elif mask_kind == "per_slice" and batch:  # (*batch, n, m), real, in float64 whatever the inputs
+        mask = additive = np.where(rng.random((*batch, n, m)) < 0.2, -np.inf, rng.standard_normal((*batch, n, m)))
     allowed = reference.allowed_mask(
         n,
         m,
@@ -123,10 +135,12 @@ def test_blocks_compute_the_reference(batch, n, m, is_causal, lengths, mask_kind
         (8, 2048, 2048, True, 512 * 2**20, (8, 2048, 2048)),  # 2**25: one
         (8, 100, 2**24, False, 2**20, (1, 64, 4096)),  # rows too long for the budget: blocks of keys
         (8, 100, 2**24, False, 1024, (1, 64, 512)),  # never fewer keys than MIN_KEYS
+        (8, 8192, 8192, False, 512 * 2**20, (1, 8192, 8192)),  # 8 bytes a score: a real mask per slice
     ],
 )
 def test_plan(slices, n, m, is_causal, budget, expected):
-    assert cupy_attention.plan(slices, n, m, 4, is_causal, budget, None) == expected
+    bytes_per_score = 8 if expected == (1, 8192, 8192) else 4
+    assert cupy_attention.plan(slices, n, m, bytes_per_score, is_causal, budget, None) == expected
 
 
 @pytest.mark.parametrize(("width", "threads"), [(1, 32), (100, 32), (512, 64), (1024, 128), (8192, 512), (2**20, 512)])
@@ -143,3 +157,22 @@ def test_a_row_softmax_that_drops_the_limits_fails():
     right = cupy_attention.attend(xp, numpy_row_softmax, **arguments)
     wrong = cupy_attention.attend(xp, lambda s, limits, first: numpy_row_softmax(s, None, first), **arguments)
     assert not np.allclose(right, wrong)
+
+
+@pytest.mark.parametrize(("mask_dtype", "bytes_per_score"), [(np.float32, 8), (np.bool_, 5)])
+def test_blocks_with_a_mask_per_slice_hold_it_and_their_scores_within_the_budget(mask_dtype, bytes_per_score):
+    """Each block's entries of a mask with leading axes are taken beside its
+    scores: the plan counts both against the memory budget."""
+    rng = np.random.default_rng(5)
+    query, key, value = (rng.standard_normal((8, 64, 4)).astype(np.float32) for _ in range(3))
+    mask = (rng.random((8, 64, 64)) < 0.7).astype(mask_dtype)
+    budget = 8 * 64 * 64 * 4  # every slice's float32 scores at once, had the mask taken no room
+    sizes = []
+
+    def recording_row_softmax(scores, limits, first_key):
+        sizes.append(scores.size)
+        return numpy_row_softmax(scores, limits, first_key)
+
+    arguments = dict(query=query, key=key, value=value, mask=mask, key_lengths=None, is_causal=False, scale=0.5)
+    cupy_attention.attend(xp, recording_row_softmax, **arguments, batch_shape=(8,), budget=budget, chunks=None)
+    assert sizes and max(sizes) * bytes_per_score <= budget
