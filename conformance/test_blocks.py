@@ -71,11 +71,12 @@ def test_states_of_split_keys_combine_to_attention(attnx_backend, split, masks):
 
 def test_a_block_in_the_causal_future_attends_nothing(attnx_backend):
     be = attnx_backend
-    query, key, value = _on(be, [rng(71).standard_normal(shape) for shape in ((3, 4), (5, 4), (5, 2))])
+    # An odd d_v: the state is d_v + 1 wide (d_v | 1 is that only when d_v is even).
+    query, key, value = _on(be, [rng(71).standard_normal(shape) for shape in ((3, 4), (5, 4), (5, 3))])
     state = blocks.attend_block(query, key, value, scale=1.0, is_causal=True, offset=(0, 10), scores_shape=(10, 15))
     got = be.numpy(state)
-    assert got.shape == (3, 4)
-    assert np.all(got[:, :3] == 0) and np.all(got[:, 3] == -np.inf)
+    assert got.shape == (3, 5)
+    assert np.all(got[:, :4] == 0) and np.all(got[:, 4] == -np.inf)
     assert np.all(be.numpy(blocks.finish(state)) == 0)
 
 

@@ -108,6 +108,12 @@ CASES = {
         None,
         lambda b, h, i, j: (((j <= i) & (i - j <= 2)) | (j < 4) | (j <= i)) & (i % 3 != 0),
     ),
+    "a mask_mod of the positions alone, 2-D": (
+        False,
+        lambda be: (None, lambda b, h, q_idx, kv_idx: (q_idx[0, 0, ...] + 2 * kv_idx[0, 0, ...]) % 3 != 0),
+        None,
+        lambda b, h, i, j: (i + 2 * j) % 3 != 0,
+    ),
     "-inf from score_mod, rows with nothing": (
         False,
         lambda be: (_minus_inf_outside_window, None),

@@ -54,19 +54,24 @@ def test_kernel_source_is_written_for_each_dtype():
     chunks=st.sampled_from([None, (2, 3), (4, 1), (1, 5)]),
     budget=st.sampled_from([2**20, 96]),
     dtype=st.sampled_from([np.float32, np.float64]),
+    shared_keys=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_blocks_compute_the_reference(batch, n, m, is_causal, lengths, mask_kind, chunks, budget, dtype, seed):
+def test_blocks_compute_the_reference(
+    batch, n, m, is_causal, lengths, mask_kind, chunks, budget, dtype, shared_keys, seed
+):
     """Every plan (whole rows, blocks of keys joined by the online softmax,
     causal blocks of rows, a budget of a few scores) against the float64
     reference, with masks (shared by every slice, or with entries per batch,
-    per head or per slice), key lengths of each layout and rows that have no
+    per head or per slice), key lengths of each layout, keys and values
+    shared by every slice (broadcast over the batch) and rows that have no
     key at all."""
     rng = np.random.default_rng(seed)
     d_k, d_v = 3, 2
     query = rng.standard_normal((*batch, n, d_k)).astype(dtype)
-    key = rng.standard_normal((*batch, m, d_k)).astype(dtype)
-    value = rng.standard_normal((*batch, m, d_v)).astype(dtype)
+    key_batch = () if shared_keys else batch
+    key = rng.standard_normal((*key_batch, m, d_k)).astype(dtype)
+    value = rng.standard_normal((*key_batch, m, d_v)).astype(dtype)
     batch_shape = batch
     key_lengths, lengths_per = None, "sequence"
     if lengths == "batch_first" and batch:
