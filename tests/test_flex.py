@@ -123,3 +123,23 @@ def test_mods_are_probed_once_per_call_signature():
     first, again, fewer_entries, float64 = counts
     assert again == (first[0] - 1, first[1] - 1)  # the probes alone are skipped
     assert fewer_entries[0] == first[0] and float64[0] == first[0]  # new sizes, a new dtype: probed again
+
+
+@pytest.mark.parametrize("budget", [2**17, 2**19, 2**21])
+def test_create_block_mask_evaluates_the_mod_in_tiles_as_large_as_the_budget_holds(budget):
+    """Tiles of whole blocks whose mask (8 bytes an element: a mod's integer
+    intermediates) fits the memory budget, and no smaller than it allows."""
+    tiles = []
+
+    def causal(b, h, q_idx, kv_idx):
+        tiles.append((q_idx.shape[-2], kv_idx.shape[-1]))
+        return q_idx >= kv_idx
+
+    with attnx.memory_budget(budget):
+        attnx.create_block_mask(causal, None, None, 1000, 1000, block_size=128)
+    elements = budget // 8
+    (rows, cols), *rest = tiles[1:]  # the first call probes the mod's shape
+    assert all(r * c <= elements for r, c in tiles[1:])
+    assert cols == 1000 or 128 * (cols + 128) > elements  # as many blocks of keys as fit
+    assert rows == 1000 or (rows + 128) * cols > elements  # then as many blocks of queries
+    assert rows % 128 == 0 or rows == 1000
