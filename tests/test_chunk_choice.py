@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import attnx
-from attnx._tiling import BLOCK_BYTES, slices_per_block
+from attnx._tiling import BLOCK_BYTES, batch_groups, slices_per_block
 from attnx.attention import choose_chunks
 
 XP = attnx._registry.get("numpy").xp
@@ -59,6 +59,15 @@ def test_concurrent_workers_share_mid_sized_problems():
     assert chunks((1, 1, 1024, 64), workers=16) == (64, 1024)  # never thinner than 64 rows
     rows, _ = chunks((1, 8, 2048, 64), workers=2)
     assert rows <= 1024
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_batch_groups_give_every_worker_a_block(workers):
+    """Where the rows make fewer blocks than there are workers (one block of
+    128 rows here), the batch is cut into groups so that each worker has one."""
+    groups, rows = batch_groups(XP, np.float32, (8, 4), 128, 128, 128, workers)
+    assert rows == 128 and len(groups) >= workers
+    assert [start for start, _ in groups] == list(range(0, 8, 8 // workers))
 
 
 def test_causal_blocks_are_thinner():
