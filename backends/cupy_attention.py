@@ -175,19 +175,18 @@ def threads_per_row(width: int) -> int:
 def plan(
     slices: int, n: int, m: int, itemsize: int, is_causal: bool, budget: int, chunks: tuple[int, int] | None
 ) -> tuple[int, int, int]:
-    """``(slices_per_block, rows, key_chunk)``: whole rows of keys in each
-    block where ``MIN_ROWS`` of them fit the budget, else as many keys as do
-    (``MIN_KEYS`` at least); as many rows as the budget holds; large causal
-    calls cut into blocks of rows (:data:`CAUSAL_BLOCKS`).  ``chunks``, the user's
-    ``chunk_size``, sets rows and keys instead."""
+    """``(slices_per_block, rows, key_chunk)``: as many keys as ``MIN_ROWS``
+    rows of them fit the budget (whole rows where they do; ``MIN_KEYS`` at
+    least); as many rows as the budget holds; large causal calls cut into
+    blocks of rows (:data:`CAUSAL_BLOCKS`).  ``chunks``, the user's
+    ``chunk_size``, sets rows and keys instead.  ``itemsize``: the bytes a
+    score takes, with what a block holds beside it."""
     if chunks is not None:
         rows, key_chunk = chunks
     else:
-        key_chunk = m if MIN_ROWS * m * itemsize <= budget else min(m, max(MIN_KEYS, budget // (MIN_ROWS * itemsize)))
-        rows = min(n, max(MIN_ROWS, budget // (key_chunk * itemsize)))
+        key_chunk = min(m, max(MIN_KEYS, budget // (MIN_ROWS * itemsize)))
         row_blocks = next((count for scores, count in CAUSAL_BLOCKS if slices * n * m >= scores), 1) if is_causal else 1
-        if row_blocks > 1:
-            rows = min(rows, max(MIN_ROWS, -(-n // row_blocks)))
+        rows = min(n, max(MIN_ROWS, budget // (key_chunk * itemsize)), max(MIN_ROWS, -(-n // row_blocks)))
     per_block = max(1, min(slices, budget // (rows * key_chunk * itemsize)))
     return per_block, rows, key_chunk
 

@@ -6,5 +6,6 @@ set -euo pipefail
 export OPENBLAS_THREAD_TIMEOUT=4 OMP_NUM_THREADS=1 ATTNX_NUM_THREADS=1 ATTNX_STRICT_PLUGINS=1
 python -m pytest -x -q -p no:cacheprovider \
     tests/test_chunk_choice.py tests/test_dispatch.py tests/test_numpy_backend.py tests/test_registry.py \
-    tests/test_generic_paths.py tests/test_from_torch.py tests/test_memory.py
+    tests/test_generic_paths.py tests/test_from_torch.py tests/test_memory.py \
+    tests/test_natives.py tests/test_plans.py tests/test_flex.py tests/test_cupy_native.py
 python -m pytest -x -q -p no:cacheprovider --pyargs attnx_conformance --attnx-backend numpy

@@ -54,11 +54,11 @@ def test_kernel_source_is_written_for_each_dtype():
     chunks=st.sampled_from([None, (2, 3), (4, 1), (1, 5)]),
     budget=st.sampled_from([2**20, 96]),
     dtype=st.sampled_from([np.float32, np.float64]),
-    shared_keys=st.booleans(),
+    keys_batch=st.sampled_from(["same", "none", "last", "ones"]),
     seed=st.integers(0, 2**16),
 )
 def test_blocks_compute_the_reference(
-    batch, n, m, is_causal, lengths, mask_kind, chunks, budget, dtype, shared_keys, seed
+    batch, n, m, is_causal, lengths, mask_kind, chunks, budget, dtype, keys_batch, seed
 ):
     """Every plan (whole rows, blocks of keys joined by the online softmax,
     causal blocks of rows, a budget of a few scores) against the float64
@@ -69,7 +69,8 @@ def test_blocks_compute_the_reference(
     rng = np.random.default_rng(seed)
     d_k, d_v = 3, 2
     query = rng.standard_normal((*batch, n, d_k)).astype(dtype)
-    key_batch = () if shared_keys else batch
+    # Keys and values with the batch's leading axes, none, its last, or ones: broadcast over the rest.
+    key_batch = {"same": batch, "none": (), "last": batch[-1:], "ones": (1,) * len(batch)}[keys_batch]
     key = rng.standard_normal((*key_batch, m, d_k)).astype(dtype)
     value = rng.standard_normal((*key_batch, m, d_v)).astype(dtype)
     batch_shape = batch
@@ -140,12 +141,16 @@ def test_blocks_compute_the_reference(
         (8, 2048, 2048, True, 512 * 2**20, (8, 2048, 2048)),  # 2**25: one
         (8, 100, 2**24, False, 2**20, (1, 64, 4096)),  # rows too long for the budget: blocks of keys
         (8, 100, 2**24, False, 1024, (1, 64, 512)),  # never fewer keys than MIN_KEYS
+        (16, 4096, 4096, True, 512 * 2**20, (16, 2048, 4096)),  # 2**28: two
         (8, 8192, 8192, False, 512 * 2**20, (1, 8192, 8192)),  # 8 bytes a score: a real mask per slice
+        (1, 64, 1024, False, 64 * 1024 * 4, (1, 64, 1024)),  # whole rows, just
+        (1, 64, 1024, False, 64 * 1024 * 4 - 1, (1, 64, 1023)),  # not quite: as many keys as fit
     ],
 )
 def test_plan(slices, n, m, is_causal, budget, expected):
     bytes_per_score = 8 if expected == (1, 8192, 8192) else 4
-    assert cupy_attention.plan(slices, n, m, bytes_per_score, is_causal, budget, None) == expected
+    planned = cupy_attention.plan(slices, n, m, bytes_per_score, is_causal, budget, None)
+    assert planned == expected and all(type(size) is int for size in planned)
 
 
 @pytest.mark.parametrize(("width", "threads"), [(1, 32), (100, 32), (512, 64), (1024, 128), (8192, 512), (2**20, 512)])
@@ -164,14 +169,23 @@ def test_a_row_softmax_that_drops_the_limits_fails():
     assert not np.allclose(right, wrong)
 
 
-@pytest.mark.parametrize(("mask_dtype", "bytes_per_score"), [(np.float32, 8), (np.bool_, 5)])
-def test_blocks_with_a_mask_per_slice_hold_it_and_their_scores_within_the_budget(mask_dtype, bytes_per_score):
+@pytest.mark.parametrize(
+    ("mask_kind", "bytes_per_score"), [("per slice, real", 8), ("per slice, boolean", 5), ("shared", 4), (None, 4)]
+)
+def test_blocks_hold_their_scores_and_a_mask_per_slice_within_the_budget(mask_kind, bytes_per_score):
     """Each block's entries of a mask with leading axes are taken beside its
-    scores: the plan counts both against the memory budget."""
+    scores: the plan counts both against the memory budget, and nothing
+    else (a mask every slice shares is not taken per block)."""
     rng = np.random.default_rng(5)
     query, key, value = (rng.standard_normal((8, 64, 4)).astype(np.float32) for _ in range(3))
-    mask = (rng.random((8, 64, 64)) < 0.7).astype(mask_dtype)
-    budget = 8 * 64 * 64 * 4  # every slice's float32 scores at once, had the mask taken no room
+    allowed = rng.random((8, 64, 64)) < 0.7
+    mask = {
+        "per slice, real": np.where(allowed, 0.0, -np.inf).astype(np.float32),
+        "per slice, boolean": allowed,
+        "shared": allowed[0],
+        None: None,
+    }[mask_kind]
+    budget = 8 * 64 * 64 * 4  # every slice's float32 scores at once
     sizes = []
 
     def recording_row_softmax(scores, limits, first_key):
@@ -180,4 +194,26 @@ def test_blocks_with_a_mask_per_slice_hold_it_and_their_scores_within_the_budget
 
     arguments = dict(query=query, key=key, value=value, mask=mask, key_lengths=None, is_causal=False, scale=0.5)
     cupy_attention.attend(xp, recording_row_softmax, **arguments, batch_shape=(8,), budget=budget, chunks=None)
-    assert sizes and max(sizes) * bytes_per_score <= budget
+    slices_per_block = min(8, budget // (64 * 64 * bytes_per_score))
+    assert max(sizes) == slices_per_block * 64 * 64
+
+
+def test_causal_blocks_of_rows_compute_no_key_in_every_rows_future():
+    """Blocks of 64 causal rows (a budget of 64 rows) compute the keys up to
+    their last row's diagonal: 64, 128, 192 and 256 of them."""
+    rng = np.random.default_rng(6)
+    query, key, value = (rng.standard_normal((1, 256, 4)) for _ in range(3))
+    widths = []
+
+    def recording_row_softmax(scores, limits, first_key):
+        widths.append(scores.shape[1])
+        return numpy_row_softmax(scores, limits, first_key)
+
+    arguments = dict(query=query, key=key, value=value, mask=None, key_lengths=None, is_causal=True, scale=0.5)
+    got = cupy_attention.attend(
+        xp, recording_row_softmax, **arguments, batch_shape=(1,), budget=64 * 256 * 8, chunks=None
+    )
+    assert widths == [64, 128, 192, 256]
+    allowed = reference.allowed_mask(256, 256, batch_shape=(1,), is_causal=True)
+    expected, _ = reference.scaled_dot_product_attention(query, key, value, allowed=allowed, scale=0.5)
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
