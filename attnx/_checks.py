@@ -446,6 +446,16 @@ def require_int(operation: str, name: str, value: Any) -> int:
     return int(value.__index__())
 
 
+def require_positive_real(operation: str, name: str, value: Any) -> float:
+    """``value`` as a float: a real number (NumPy's scalars too, not a bool;
+    a TypeError otherwise), finite and positive (a ValueError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{operation}: {name} must be a real number, got {value!r} ({type(value).__name__})")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{operation}: {name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
 def require_positive_int(operation: str, name: str, value: Any, *, allow_zero: bool = False) -> int:
     value = require_int(operation, name, value)
     if value < 0 or (value == 0 and not allow_zero):

@@ -142,7 +142,11 @@ def nadaraya_watson(
         if not _checks.FLOAT32_SMALLEST_NORMAL <= bandwidth <= _checks.FLOAT32_MAX:  # 0 or inf in float32
             compute = blocks.state_dtype(xp, queries.dtype)
             _checks.require_finite_in(_NW, "bandwidth", xp, bandwidth, compute, positive=True)
-    elif getattr(bandwidth, "ndim", None) != 0:
+    elif getattr(bandwidth, "ndim", None) is None:
+        raise TypeError(
+            f"{_NW}: bandwidth must be a positive float or a 0-d array, got {bandwidth!r} ({type(bandwidth).__name__})"
+        )
+    elif bandwidth.ndim != 0:
         raise ValueError(f"{_NW}: bandwidth must be a positive float or a 0-d array, got {bandwidth!r}")
     elif _checks.values_known(bandwidth) and not bool(bandwidth > 0):
         raise ValueError(f"{_NW}: bandwidth must be positive, got {float(bandwidth)}")

@@ -60,10 +60,11 @@ def sliding_window(
     ----------
     n, m : int
         Queries and keys (``m`` defaults to ``n``).
-    window : int or (left, right)
+    window : int, None or (left, right)
         An int ``w`` allows ``w`` keys to the left and none to the right;
-        ``(left, right)`` sets both, ``None`` meaning unbounded.  Positions
-        are aligned as in :func:`causal`.
+        ``(left, right)`` sets both; ``None``, alone or in the pair, means
+        unbounded (``window=None`` is the causal mask).  Positions are
+        aligned as in :func:`causal`.
 
     Returns
     -------

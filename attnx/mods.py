@@ -161,9 +161,7 @@ def alibi_slopes(num_heads: int, *, dtype: Any = "float32", backend: str | None 
 def soft_cap(cap: float) -> Any:
     """``score_mod`` that caps the scores smoothly: ``cap * tanh(score / cap)``
     (Gemma 2, Grok)."""
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
-        raise ValueError(f"soft_cap: cap must be a positive finite number, got {cap!r}")
-    cap = float(cap)
+    cap = _checks.require_positive_real("soft_cap", "cap", cap)
 
     def capped(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return cap * _checks.namespace_of(score).tanh(score / cap)

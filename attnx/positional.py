@@ -55,7 +55,7 @@ def sinusoidal_positions(
     num_positions = _checks.require_positive_int(op, "num_positions", num_positions, allow_zero=True)
     dim = _checks.require_positive_int(op, "dim", dim)
     _checks.require_size(op, "num_positions x dim", num_positions, dim)
-    base = _positive_base(op, base)
+    base = _checks.require_positive_real(op, "base", base)
     chosen, reason, device = _dispatch.resolve_creation(op, backend, device)
     if dtype is not None:
         dtype = _checks.require_dtype_name(op, chosen.xp, chosen.name, dtype, floating=True)
@@ -66,12 +66,6 @@ def sinusoidal_positions(
         _sinusoidal_generic,
         {"num_positions": num_positions, "dim": dim, "base": base, "dtype": dtype, "device": device},
     )
-
-
-def _positive_base(op: str, base: Any) -> float:
-    if not isinstance(base, (int, float)) or not base > 0:
-        raise ValueError(f"{op}: base must be a positive number, got {base!r}")
-    return float(base)
 
 
 def _sinusoidal_generic(xp: Any, *, num_positions: int, dim: int, base: float, dtype: Any, device: Any) -> Any:
@@ -147,7 +141,7 @@ def apply_rotary(
             raise ValueError(
                 f"{op}: positions must broadcast to x's shape (..., n) = {(*lead, n)}, got {_checks.shape_of(positions)}"
             )
-    base = _positive_base(op, base)
+    base = _checks.require_positive_real(op, "base", base)
     if interleaved := _checks.require_flag(op, "interleaved", interleaved):
         return _dispatch.call(op, chosen, reason, _rotary_generic, {"x": x, "positions": positions, "base": base})
     if d == 0:  # no feature to rotate

@@ -173,7 +173,7 @@ def multi_head_call(draw):
         **QKV_KINDS,
         "params": "params",
         "num_heads": "size",
-        "num_kv_heads": "size",
+        "num_kv_heads": "optional_size",  # None: as many as num_heads
         "is_causal": "flag",
         "return_weights": "flag",
     }
@@ -306,12 +306,17 @@ def conv_call(draw):
 
 @st.composite
 def sinusoidal_call(draw):
-    arguments = {"num_positions": draw(st.integers(0, 6)), "dim": draw(st.integers(1, 6))}
+    arguments = {
+        "num_positions": draw(st.integers(0, 6)),
+        "dim": draw(st.integers(1, 6)),
+        "base": draw(st.sampled_from([10000.0, 500, 3.5])),
+    }
     return Call(
         attnx.sinusoidal_positions,
         arguments,
-        {"num_positions": "size", "dim": "size"},
-        lambda num_positions, dim: reference.sinusoidal_positions(num_positions, dim),
+        {"num_positions": "size", "dim": "size", "base": "positive_real"},
+        lambda num_positions, dim, base: reference.sinusoidal_positions(num_positions, dim, float(base)),
+        plain={"base"},
     )
 
 
@@ -319,10 +324,10 @@ def sinusoidal_call(draw):
 def mask_call(draw):
     which = draw(st.sampled_from(["causal", "sliding_window"]))
     arguments = {"n": draw(st.integers(0, 5)), "m": draw(st.integers(0, 5))}
-    kinds = {"n": "size", "m": "size"}
+    kinds = {"n": "size", "m": "optional_size"}  # m=None: as many keys as queries
     if which == "sliding_window":
         arguments["window"] = draw(st.integers(0, 3))
-        kinds["window"] = "size"
+        kinds["window"] = "optional_size"  # None: unbounded to the left
 
     def expected(n, m, window=None):
         m = n if m is None else m
@@ -363,7 +368,7 @@ def init_params_call(draw):
     return Call(
         attnx.init_multi_head_params,
         {"d_model": h * draw(st.integers(1, 3)), "num_heads": h, "seed": draw(st.integers(0, 5))},
-        {"d_model": "size", "num_heads": "size", "seed": "size"},
+        {"d_model": "size", "num_heads": "size", "seed": "seed"},
         None,
     )
 
@@ -373,7 +378,7 @@ def learned_positions_call(draw):
     return Call(
         attnx.LearnedPositions,
         {"num_positions": draw(st.integers(1, 6)), "dim": draw(st.integers(1, 6)), "seed": draw(st.integers(0, 5))},
-        {"num_positions": "size", "dim": "size", "seed": "size"},
+        {"num_positions": "size", "dim": "size", "seed": "seed"},
         None,
     )
 
@@ -428,7 +433,7 @@ def corrupted(draw, kind, value, lazy=False):
         if np.dtype(dtype).kind in "iu":
             return np.asarray(_array(draw, shape, np.float64, 0, 4), dtype=dtype)
         return _array(draw, shape, np.float64) > 0 if dtype == "bool" else _array(draw, shape).astype(dtype)
-    if kind in ("size", "axis"):
+    if kind in ("size", "optional_size", "axis", "seed"):
         return draw(st.one_of(st.integers(-(2**40), -1), HUGE, st.sampled_from([2.5, "3", None, True, 0])))
     if kind == "sizes":
         return draw(
@@ -444,6 +449,10 @@ def corrupted(draw, kind, value, lazy=False):
         return draw(st.sampled_from(["cauchy", 5, None, ""]))
     if kind == "bandwidth":
         return draw(st.sampled_from([0.0, -1.0, math.nan, "wide", None, True]))
+    if kind == "positive_real":  # NumPy's scalars are real numbers too
+        return draw(
+            st.sampled_from([0.0, -1.0, math.nan, math.inf, "wide", None, True, np.float32(100.0), np.int64(7)])
+        )
     if kind == "params":
         how = draw(st.sampled_from(["not_a_mapping", "missing", "extra", "shape", "dtype"]))
         if how == "not_a_mapping":
@@ -460,6 +469,46 @@ def corrupted(draw, kind, value, lazy=False):
             params[name] = np.asarray(params[name] * 3, dtype=draw(st.sampled_from(["int64", "bool"])))
         return params
     raise AssertionError(kind)
+
+
+#: :func:`expected_error`'s word for a corrupted value that is a right one.
+VALID = "valid"
+
+
+def expected_error(kind, value):
+    """The class of error a corrupted ``value`` of an argument of ``kind``
+    must raise where the value alone says which: TypeError for a value of
+    the wrong type (text, a bool or a float where an integer goes, None or
+    a list where an array goes), ValueError for a number out of range;
+    VALID for a surprising value that is a right one (a NumPy scalar for a
+    number); None where either may be right (a shape, a dtype, 0, a
+    default that may not fit the other arguments)."""
+    if kind in ("array", "optional_array", "mask"):
+        if value is None:
+            return TypeError if kind == "array" else None
+        return None if hasattr(value, "shape") else TypeError
+    if kind in ("size", "optional_size", "axis", "seed"):
+        if value is None and kind == "optional_size":  # its default may not fit the other arguments
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            return TypeError
+        if kind == "axis":  # negative axes count from the end; too large ones are named either way
+            return None
+        # NumPy takes seeds of any size; sizes past what an index can count are refused.
+        return ValueError if value < 0 or (value >= 2**63 and kind != "seed") else None
+    if kind == "flag":
+        return None if isinstance(value, bool) else TypeError
+    if kind == "positive_real":
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+            return TypeError
+        return VALID if math.isfinite(value) and value > 0 else ValueError
+    if kind in ("scale", "bandwidth"):
+        return ValueError if isinstance(value, float) else TypeError
+    if kind == "kernel":
+        return ValueError if isinstance(value, str) else TypeError
+    if kind == "params":
+        return None if isinstance(value, dict) else TypeError
+    return None
 
 
 # -- the property ---------------------------------------------------------------
@@ -519,9 +568,19 @@ def test_bad_input_is_named_or_the_answer_is_right(attnx_backend, operation):
             message = str(exc)
             named = [corrupt] if corrupt is not None else list(call.kinds)
             assert corrupt is not None, f"a valid call raised: {exc!r}"
+            wanted = expected_error(call.kinds[corrupt], arguments[corrupt])
+            assert wanted is not VALID, f"{corrupt}={arguments[corrupt]!r} is a right value, and raised {exc!r}"
+            assert wanted is None or isinstance(exc, wanted), (
+                f"{corrupt}={arguments[corrupt]!r} raised {type(exc).__name__}, not {wanted.__name__}: {exc}"
+            )
             if not any(name in message for name in named):
                 assert any(name in message for name in call.kinds), f"{exc!r} names no argument (corrupted: {corrupt})"
             return
+        if corrupt is not None:
+            wanted = expected_error(call.kinds[corrupt], arguments[corrupt])
+            assert wanted in (None, VALID), (
+                f"{corrupt}={arguments[corrupt]!r} was taken, where a {wanted.__name__} is due"
+            )
         _check_result(be, operation, call, arguments, result, dtype)
 
     check()

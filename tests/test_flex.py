@@ -41,6 +41,9 @@ KV = np.zeros((1, 2, 8, 2), dtype=np.float32)
         (lambda: attnx.and_masks(mods.causal, None), TypeError, "got NoneType at position 1"),
         (lambda: mods.sliding_window(-1), ValueError, "window must be a non-negative integer"),
         (lambda: mods.soft_cap(0.0), ValueError, "cap must be a positive finite number"),
+        (lambda: mods.soft_cap(float("inf")), ValueError, "cap must be a positive finite number"),
+        (lambda: mods.soft_cap("1.5"), TypeError, r"cap must be a real number, got '1.5' \(str\)"),
+        (lambda: mods.soft_cap(True), TypeError, "cap must be a real number, got True"),
         (lambda: mods.relative_bias(np.zeros(4)), ValueError, "odd length"),
         (lambda: mods.document(np.zeros(4)), TypeError, "document_ids must have an integer dtype"),
     ],
@@ -143,3 +146,24 @@ def test_create_block_mask_evaluates_the_mod_in_tiles_as_large_as_the_budget_hol
     assert cols == 1000 or 128 * (cols + 128) > elements  # as many blocks of keys as fit
     assert rows == 1000 or (rows + 128) * cols > elements  # then as many blocks of queries
     assert rows % 128 == 0 or rows == 1000
+
+
+def test_create_block_mask_evaluates_a_blocks_worth_at_least_under_a_tiny_budget():
+    """A budget below one block's mask still evaluates a block's worth of
+    elements at a time: with fewer keys than a block, more rows."""
+    tiles = []
+
+    def causal(b, h, q_idx, kv_idx):
+        tiles.append((q_idx.shape[-2], kv_idx.shape[-1]))
+        return q_idx >= kv_idx
+
+    with attnx.memory_budget(2**10):
+        attnx.create_block_mask(causal, None, None, 1000, 50, block_size=128)
+    assert tiles[1] == (256, 50)  # 128 x 128 elements hold 256 rows of 50 keys (whole blocks of 128 rows)
+
+
+def test_soft_cap_takes_numpy_s_scalars():
+    """A NumPy float32 is a real number (numbers.Real), as a Python float is."""
+    scores = np.array([[-40.0, 0.5, 40.0]], dtype=np.float32)
+    capped = mods.soft_cap(np.float32(30.0))(scores, None, None, None, None)
+    np.testing.assert_allclose(capped, 30.0 * np.tanh(scores / 30.0), rtol=1e-6)
