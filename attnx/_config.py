@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
+from attnx import _checks
 from attnx._registry import registry
 from attnx._tracing import run_at_trace_time
 from attnx.backend import Backend
@@ -106,10 +107,7 @@ def get_memory_budget(backend: str | Backend | None = None, device: Any = None) 
 
 
 def _budget(operation: str, nbytes: int) -> int:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-        raise TypeError(
-            f"{operation}: the memory budget must be an integer number of bytes, got {nbytes!r} ({type(nbytes).__name__})"
-        )
+    nbytes = _checks.require_int(operation, "the memory budget (nbytes)", nbytes)  # NumPy's integers too
     if nbytes <= 0:
         raise ValueError(f"{operation}: the memory budget must be a positive number of bytes, got {nbytes}")
     return nbytes

@@ -83,10 +83,12 @@ def test_budget_and_explicit_chunk_size():
     assert chunks((1, 1, 2048, 64), return_weights=True) is None
     with pytest.raises(ValueError, match="set_memory_budget: the memory budget must be a positive number of bytes"):
         attnx.set_memory_budget(0)
-    with pytest.raises(
-        TypeError, match=r"memory_budget: the memory budget must be an integer number of bytes, got '1GB'"
-    ):
+    with pytest.raises(TypeError, match=r"memory_budget: the memory budget \(nbytes\) must be an integer, got '1GB'"):
         attnx.memory_budget("1GB").__enter__()
+    with pytest.raises(TypeError, match=r"the memory budget \(nbytes\) must be an integer, got True"):
+        attnx.set_memory_budget(True)
+    with attnx.memory_budget(np.int64(2**40)):  # NumPy's integers are integers
+        assert attnx.get_memory_budget() == 2**40 and type(attnx.get_memory_budget()) is int
 
 
 def test_a_backends_block_size_is_its_default_budget():
