@@ -207,6 +207,10 @@ def _bad_block_calls():
             lambda be: blocks.combine_along(state((2, 3, 8))(be), 5),
             r"combine_along: axis must lie in \[-3, 3\), got 5",
         ),
+        "combine_along, an axis before the first": (
+            lambda be: blocks.combine_along(state((2, 3, 8))(be), -4),
+            r"combine_along: axis must lie in \[-3, 3\), got -4",
+        ),
         "combine_along, the state's own axis": (
             lambda be: blocks.combine_along(state((2, 3, 8))(be), -1),
             r"combine_along: axis must not be the last \(the state's own\), got 2",

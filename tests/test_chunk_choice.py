@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import attnx
-from attnx._tiling import BLOCK_BYTES, batch_groups, slices_per_block
+from attnx._tiling import BLOCK_BYTES, batch_groups, bytes_per_block, slices_per_block
 from attnx.attention import choose_chunks
 
 XP = attnx._registry.get("numpy").xp
@@ -68,6 +68,13 @@ def test_batch_groups_give_every_worker_a_block(workers):
     groups, rows = batch_groups(XP, np.float32, (8, 4), 128, 128, 128, workers)
     assert rows == 128 and len(groups) >= workers
     assert [start for start, _ in groups] == list(range(0, 8, 8 // workers))
+
+
+def test_blocks_in_flight_share_the_block_and_the_budget():
+    assert bytes_per_block(1, 2**22) == 2**22
+    assert bytes_per_block(4, 2**22) == 2**20
+    with attnx.memory_budget(2**21):  # a budget below the block: it is shared
+        assert bytes_per_block(2, 2**22) == 2**20
 
 
 def test_causal_blocks_are_thinner():

@@ -46,6 +46,8 @@ KV = np.zeros((1, 2, 8, 2), dtype=np.float32)
         (lambda: mods.soft_cap(True), TypeError, "cap must be a real number, got True"),
         (lambda: mods.relative_bias(np.zeros(4)), ValueError, "odd length"),
         (lambda: mods.document(np.zeros(4)), TypeError, "document_ids must have an integer dtype"),
+        (lambda: mods.relative_bias(np.zeros((2, 2, 3))), ValueError, "table must have 1 dimension or 2 dimensions"),
+        (lambda: mods.alibi_slopes(8, dtype="int32"), TypeError, "dtype must be a real floating-point dtype"),
     ],
 )
 def test_bad_arguments_get_clear_errors(call, error, message):
@@ -167,3 +169,14 @@ def test_soft_cap_takes_numpy_s_scalars():
     scores = np.array([[-40.0, 0.5, 40.0]], dtype=np.float32)
     capped = mods.soft_cap(np.float32(30.0))(scores, None, None, None, None)
     np.testing.assert_allclose(capped, 30.0 * np.tanh(scores / 30.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("budget", [2**10, 2**17, 2**19])
+def test_a_block_mask_made_in_tiles_is_the_one_made_whole(budget):
+    """However many tiles the memory budget cuts the mod's evaluation into,
+    every key block is covered once: the kinds are those of one tile."""
+    whole = attnx.create_block_mask(mods.sliding_window(300), None, 2, 1000, 1100, block_size=128)
+    with attnx.memory_budget(budget):
+        tiled = attnx.create_block_mask(mods.sliding_window(300), None, 2, 1000, 1100, block_size=128)
+    assert tiled.kinds.shape == whole.kinds.shape == (1, 1, 8, 9)
+    np.testing.assert_array_equal(tiled.kinds, whole.kinds)
