@@ -24,6 +24,11 @@ KV = np.zeros((1, 2, 8, 2), dtype=np.float32)
             "multiple of the key/value heads",
         ),
         (lambda: attnx.flex_attention(Q, Q, Q[..., :1, :]), ValueError, "value must have shape"),
+        (
+            lambda: attnx.flex_attention(Q, np.zeros((1, 4, 8, 3), np.float32), Q),  # keys wider than queries
+            ValueError,
+            r"key must have shape \(B, H_kv, m, d\) with d = 2 \(from query\), got \(1, 4, 8, 3\)",
+        ),
         (lambda: attnx.flex_attention(Q, Q, Q, score_mod="alibi"), TypeError, "score_mod must be a callable"),
         (
             lambda: attnx.flex_attention(Q, Q, Q, block_mask=np.ones((8, 8), bool)),
