@@ -185,3 +185,27 @@ def test_a_block_mask_made_in_tiles_is_the_one_made_whole(budget):
         tiled = attnx.create_block_mask(mods.sliding_window(300), None, 2, 1000, 1100, block_size=128)
     assert tiled.kinds.shape == whole.kinds.shape == (1, 1, 8, 9)
     np.testing.assert_array_equal(tiled.kinds, whole.kinds)
+
+
+def test_a_table_for_more_positions_than_the_call_has_is_taken():
+    """Document ids for 64 positions serve a call of 32: only fewer positions
+    than the call's are refused."""
+    ids = np.repeat(np.arange(8), 8)  # 64 positions, 8 documents
+    q = np.random.default_rng(3).standard_normal((1, 2, 32, 4)).astype(np.float32)
+    block_mask = attnx.create_block_mask(mods.document(ids), None, None, 32, 32, block_size=8)
+    got = attnx.flex_attention(q, q, q, block_mask=block_mask)
+    same_document = ids[:32, None] == ids[None, :32]
+    expected = attnx.scaled_dot_product_attention(q, q, q, mask=same_document)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mod_that_reads_the_head_is_evaluated_for_every_head_within_the_budget():
+    tiles = []
+
+    def by_head(b, h, q_idx, kv_idx):
+        tiles.append((q_idx.shape[-2], kv_idx.shape[-1]))
+        return kv_idx <= q_idx + h
+
+    with attnx.memory_budget(2**19):
+        attnx.create_block_mask(by_head, None, 4, 1000, 1000, block_size=128)
+    assert all(4 * rows * cols * 8 <= 2**19 for rows, cols in tiles[1:])  # 4 heads' masks at 8 bytes an element
