@@ -4,6 +4,7 @@ attnx, against the conformance kit's references."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import array_api_compat.numpy as xp
 import numpy as np
@@ -168,3 +169,28 @@ def test_planned_chunks_are_the_chunks_attnx_hands_a_native(monkeypatch, shape, 
     else:
         query_chunk, key_chunk = planned
         assert query_chunk * key_chunk * 4 <= (budget or backend.block_bytes)
+
+
+def test_combined_mask_gives_a_real_mask_the_scores_dtype():
+    """A float64 mask for float32 scores comes back in float32 when the
+    native says so (``dtype``), and in its own dtype when it does not."""
+    mask = np.zeros((3, 4))
+    options = dict(key_lengths=None, is_causal=False, batch_shape=(2,), n=3, m=4)
+    assert natives.combined_mask(xp, mask=mask, dtype=np.float32, **options).dtype == np.float32
+    assert natives.combined_mask(xp, mask=mask, **options).dtype == np.float64
+
+
+@pytest.mark.parametrize(
+    ("function", "keywords"),
+    [
+        (attnx.blocks.attend_block, ("scale", "mask", "is_causal", "offset")),
+        (attnx.blocks.from_scores, ("allowed", "additive", "xp")),
+        (attnx.mods.alibi_slopes, ("dtype", "backend", "device")),
+    ],
+)
+def test_options_of_the_building_blocks_are_keyword_only(function, keywords):
+    """Options are passed by name, so that new ones can come without
+    changing what a positional call means (and a keyword-only marker
+    turned positional-only would go unnoticed otherwise)."""
+    parameters = inspect.signature(function).parameters
+    assert all(parameters[name].kind is inspect.Parameter.KEYWORD_ONLY for name in keywords)
