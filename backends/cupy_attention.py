@@ -247,6 +247,10 @@ def attend(
         r1 = min(n, r0 + rows)
         # Keys past the last row's diagonal are in every row's future.
         stop = max(0, min(m, r1 + m - n)) if is_causal else m
+        # A mask that every slice shares is cut and cast once a block of rows.
+        shared_mask = None
+        if mask is not None and mask_slices is None:
+            shared_mask = _mask_block(xp, mask, None, (0, slices, r0, r1, 0, m), batch_shape, n, m, dtype, device)
         for s0 in range(0, slices, per_block):
             s1 = min(slices, s0 + per_block)
             if stop == 0:  # no query of the block has a key to attend
@@ -257,7 +261,9 @@ def attend(
                 for c0 in range(0, stop, key_chunk):
                     c1 = min(stop, c0 + key_chunk)
                     scores = q[s0:s1, r0:r1, :] @ key_t[s0:s1, :, c0:c1]
-                    if mask is not None:
+                    if shared_mask is not None:
+                        scores = _masked(xp, scores, _columns(shared_mask, c0, c1))
+                    elif mask is not None:
                         block = (s0, s1, r0, r1, c0, c1)
                         block_mask = _mask_block(xp, mask, mask_slices, block, batch_shape, n, m, dtype, device)
                         scores = _masked(xp, scores, block_mask)
@@ -326,6 +332,12 @@ def _mask_block(
         entries = xp.reshape(cut, (-1, *cut.shape[-2:]))
         return xp.take(entries, mask_slices[s0:s1], axis=0)
     return xp.reshape(cut, cut.shape[-2:]) if cut.ndim > 2 else cut
+
+
+def _columns(mask: Any, c0: int, c1: int) -> Any:
+    """The keys ``c0:c1`` of a block's ``mask`` (one without the keys' axis,
+    or with size 1 there, applies whole)."""
+    return mask[..., c0:c1] if mask.ndim > 0 and mask.shape[-1] != 1 else mask
 
 
 def _masked(xp: Any, scores: Any, mask: Any) -> Any:
