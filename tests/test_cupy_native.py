@@ -133,22 +133,21 @@ def test_blocks_compute_the_reference(
 
 
 @pytest.mark.parametrize(
-    ("slices", "n", "m", "is_causal", "budget", "expected"),
+    ("slices", "n", "m", "is_causal", "budget", "bytes_per_score", "expected"),
     [
-        (8, 8192, 8192, False, 512 * 2**20, (2, 8192, 8192)),  # whole rows: two slices a block
-        (8, 8192, 8192, True, 512 * 2**20, (8, 2048, 8192)),  # causal, 2**29 scores: four blocks of rows
-        (128, 1024, 1024, True, 512 * 2**20, (128, 512, 1024)),  # 2**27: two
-        (8, 2048, 2048, True, 512 * 2**20, (8, 2048, 2048)),  # 2**25: one
-        (8, 100, 2**24, False, 2**20, (1, 64, 4096)),  # rows too long for the budget: blocks of keys
-        (8, 100, 2**24, False, 1024, (1, 64, 512)),  # never fewer keys than MIN_KEYS
-        (16, 4096, 4096, True, 512 * 2**20, (16, 2048, 4096)),  # 2**28: two
-        (8, 8192, 8192, False, 512 * 2**20, (1, 8192, 8192)),  # 8 bytes a score: a real mask per slice
-        (1, 64, 1024, False, 64 * 1024 * 4, (1, 64, 1024)),  # whole rows, just
-        (1, 64, 1024, False, 64 * 1024 * 4 - 1, (1, 64, 1023)),  # not quite: as many keys as fit
+        (8, 8192, 8192, False, 512 * 2**20, 4, (2, 8192, 8192)),  # whole rows: two slices a block
+        (8, 8192, 8192, True, 512 * 2**20, 4, (8, 2048, 8192)),  # causal, 2**29 scores: four blocks of rows
+        (128, 1024, 1024, True, 512 * 2**20, 4, (128, 512, 1024)),  # 2**27: two
+        (8, 2048, 2048, True, 512 * 2**20, 4, (8, 2048, 2048)),  # 2**25: one
+        (8, 100, 2**24, False, 2**20, 4, (1, 64, 4096)),  # rows too long for the budget: blocks of keys
+        (8, 100, 2**24, False, 1024, 4, (1, 64, 512)),  # never fewer keys than MIN_KEYS
+        (16, 4096, 4096, True, 512 * 2**20, 4, (16, 2048, 4096)),  # 2**28: two
+        (8, 8192, 8192, False, 512 * 2**20, 8, (1, 8192, 8192)),  # 8 bytes a score: a real mask per slice
+        (1, 64, 1024, False, 64 * 1024 * 4, 4, (1, 64, 1024)),  # whole rows, just
+        (1, 64, 1024, False, 64 * 1024 * 4 - 1, 4, (1, 64, 1023)),  # not quite: as many keys as fit
     ],
 )
-def test_plan(slices, n, m, is_causal, budget, expected):
-    bytes_per_score = 8 if expected == (1, 8192, 8192) else 4
+def test_plan(slices, n, m, is_causal, budget, bytes_per_score, expected):
     planned = cupy_attention.plan(slices, n, m, bytes_per_score, is_causal, budget, None)
     assert planned == expected and all(type(size) is int for size in planned)
 
