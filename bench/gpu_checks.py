@@ -1,7 +1,7 @@
 """The GPU items of ``bench/RESULTS.md`` ("For the next lent GPU"), timed in
 one process against baselines measured in the same run.
 
-    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs]   # on a machine with CUDA, CuPy and PyTorch
+    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs] [masks] [host_profile]   # on a machine with CUDA, CuPy and PyTorch
 
 Each row is :func:`attnx.benchmark.run_case`, as ``attnx bench`` times it
 (the median of at least 5 synchronised calls and 0.25 s, and the peak
@@ -390,6 +390,110 @@ def native() -> None:
     ratio(row("cupy native float16 8192", Case("attnx:cupy", **shape)), anchor)
 
 
+def synchronized_ms(call: Any, synchronize: Any, repeat: int = 20) -> float:
+    """The median of ``repeat`` calls, each waited for (after three
+    unmeasured), in ms: host and GPU time together, as ``attnx bench``
+    times a call."""
+    import time
+
+    for _ in range(3):
+        call()
+    synchronize()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        call()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return round(sorted(times)[repeat // 2] * 1e3, 3)
+
+
+def masks() -> None:
+    """The CuPy native with masks that have leading axes of their own (a
+    ``(B, 1, 1, m)`` padding mask, a ``(B, 1, n, m)`` boolean mask, a
+    per-head bias ``(1, H, n, m)``), each block's entries taken by integer
+    indexing: its time against the generic algorithm's and PyTorch's SDPA
+    with the same mask (as a tensor over the same memory), each in this
+    process, and its output against both."""
+    import cupy as cp
+    import torch
+
+    gen = cp.random.default_rng(2)
+    synchronize = cp.cuda.Device().synchronize
+    cases = {
+        "(16, 8, 1024, 64), padding mask (16, 1, 1, m)": ((16, 8, 1024, 64), (16, 1, 1, 1024), "bool"),
+        "(16, 8, 1024, 64), boolean mask (16, 1, n, m)": ((16, 8, 1024, 64), (16, 1, 1024, 1024), "bool"),
+        "(2, 8, 4096, 64), padding mask (2, 1, 1, m)": ((2, 8, 4096, 64), (2, 1, 1, 4096), "bool"),
+        "(1, 8, 2048, 64), per-head bias (1, 8, n, m)": ((1, 8, 2048, 64), (1, 8, 2048, 2048), "float32"),
+        "(1, 8, 2048, 64), shared bias (n, m)": ((1, 8, 2048, 64), (2048, 2048), "float32"),
+    }
+    for name, (shape, mask_shape, mask_dtype) in cases.items():
+        q, k, v = (gen.standard_normal(shape, dtype=cp.float32) for _ in range(3))
+        if mask_dtype == "bool":  # every row keeps its first key: no row without a key in torch's either
+            mask = gen.random(mask_shape) < 0.7
+            mask[..., 0] = True
+        else:
+            mask = gen.standard_normal(mask_shape, dtype=cp.float32)
+        tq, tk, tv, tmask = (torch.from_dlpack(a) for a in (q, k, v, mask))
+
+        def native(q=q, k=k, v=v, mask=mask):
+            return attnx.scaled_dot_product_attention(q, k, v, mask=mask)
+
+        def anchor(q=tq, k=tk, v=tv, mask=tmask):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        got = native()
+        with generic_on_cupy():
+            expected = native()
+            generic_ms = synchronized_ms(native, synchronize)
+        torch_out = cp.from_dlpack(anchor())
+        size = float(cp.abs(expected).max())
+        line = {
+            "row": f"masks: {name}",
+            "native_ms": synchronized_ms(native, synchronize),
+            "generic_ms": generic_ms,
+            "torch_sdpa_ms": synchronized_ms(anchor, torch.cuda.synchronize),
+            "error_to_generic": float(cp.abs(got - expected).max()) / size,
+            "error_to_torch": float(cp.abs(got - torch_out).max()) / size,
+        }
+        line["native/generic"] = round(line["native_ms"] / line["generic_ms"], 3)
+        line["native/torch"] = round(line["native_ms"] / line["torch_sdpa_ms"], 3)
+        print(json.dumps(line), flush=True)
+        del q, k, v, mask, tq, tk, tv, tmask, got, expected, torch_out
+
+
+def host_profile() -> None:
+    """Where the CuPy native's host time goes at (1, 8, 512, 64), full and
+    causal, where the call is launch-bound: cProfile over 200 calls, the
+    functions by their own time, beside the generic algorithm's total."""
+    import cProfile
+    import io
+    import pstats
+
+    import cupy as cp
+
+    q = cp.random.default_rng(3).standard_normal((1, 8, 512, 64), dtype=cp.float32)
+    for causal in (False, True):
+        for name, context in (("native", contextlib.nullcontext), ("generic", generic_on_cupy)):
+            with context():
+                for _ in range(20):
+                    attnx.scaled_dot_product_attention(q, q, q, is_causal=causal)
+                cp.cuda.Device().synchronize()
+                profile = cProfile.Profile()
+                profile.enable()
+                for _ in range(200):
+                    attnx.scaled_dot_product_attention(q, q, q, is_causal=causal)
+                profile.disable()
+                cp.cuda.Device().synchronize()
+            text = io.StringIO()
+            stats = pstats.Stats(profile, stream=text)
+            total_us = stats.total_tt / 200 * 1e6
+            print(json.dumps({"row": f"host profile {name} causal={causal}", "us_a_call": round(total_us, 1)}))
+            if name == "native":
+                stats.sort_stats("tottime").print_stats(25)
+                print(text.getvalue(), flush=True)
+
+
 if __name__ == "__main__":
     functions = {
         "window": window,
@@ -399,6 +503,8 @@ if __name__ == "__main__":
         "breakdown": breakdown,
         "native": native,
         "native_outputs": native_outputs,
+        "masks": masks,
+        "host_profile": host_profile,
     }
     for stage in sys.argv[1:] or ["window", "family"]:  # in the order named: the first is the surest to finish
         try:

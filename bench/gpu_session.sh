@@ -56,7 +56,8 @@ fi
 
 # The GPU to itself while it is timed: the benchmark first, then the suites.
 if [ "${1:-}" = checks ]; then
-    timeout "${BENCH_SECONDS:-170}" python3 "$REPO/bench/gpu_checks.py" ${CHECKS:-additive} >"$OUT/checks.log" 2>&1
+    timeout "${BENCH_SECONDS:-170}" python3 "$REPO/bench/gpu_checks.py" ${CHECKS:-additive} \
+        >"$OUT/checks-$(echo ${CHECKS:-additive} | tr ' ' '-').log" 2>&1
     echo "checks: exit $? after $((SECONDS - start)) s"
     if [ -z "${SKIP_DASK:-}" ]; then
     timeout 120 python3 -m pytest "$REPO/tests/test_dask_cupy.py" -rA -p no:cacheprovider --rootdir "$REPO" \
