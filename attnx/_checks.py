@@ -34,17 +34,13 @@ def namespace_of(array: Any) -> Any:
     owner = registry._type_owners.get(type(array))
     if owner is not None:
         return owner.xp
-    # A type not met yet: array-api-compat's namespace (every built-in
-    # backend's is the same) leaves the registry's cache alone, since a mod
+    # A type not met yet: its owner is found without caching it, since a mod
     # may run inside PyTorch's FlexAttention, whose traces change nothing
-    # outside themselves.  Types array-api-compat doesn't know ask the registry.
-    try:
-        return array_api_compat.array_namespace(array)
-    except TypeError:
-        owner = registry.owner_of(array)
-        if owner is None:
-            raise
-        return owner.xp
+    # outside themselves.  The owner's namespace, not array-api-compat's: the
+    # Dask backend's makes arrays of its inputs' chunks (array-api-compat's
+    # refuses a device of CuPy chunks).
+    owners = registry.owners_of(array)
+    return owners[0].xp if owners else array_api_compat.array_namespace(array)
 
 
 def common_namespace(*arrays: Any) -> Any:

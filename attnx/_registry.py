@@ -205,17 +205,22 @@ class Registry:
             raise BackendUnavailableError(f"attnx backend {name!r} is unavailable: {reason}")
         return entry.backend
 
+    def owners_of(self, array: Any) -> list[Backend]:
+        """The available backends that own ``array``'s type, first the one
+        that wins; nothing is cached (see :meth:`owner_of`)."""
+        self._ensure_loaded()
+        return [
+            entry.backend
+            for entry in self._entries.values()
+            if entry.backend is not None and entry.backend.owns(array) and entry.reason() is None
+        ]
+
     def owner_of(self, array: Any) -> Backend | None:
         """The first available backend that owns ``array``'s type (cached)."""
         kind = type(array)
         owner = self._type_owners.get(kind)
         if owner is None:
-            self._ensure_loaded()
-            owners = [
-                entry.backend
-                for entry in self._entries.values()
-                if entry.backend is not None and entry.backend.owns(array) and entry.reason() is None
-            ]
+            owners = self.owners_of(array)
             if owners:
                 owner = self._type_owners[kind] = owners[0]
                 if len(owners) > 1:

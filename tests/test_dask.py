@@ -228,3 +228,25 @@ def test_an_empty_array_is_rechunked_in_chunks_of_its_own_kind():
     full = da.from_array(np.ones((4, 2)).view(_OtherChunks), chunks=(2, -1), asarray=False)
     assert xp.rechunk(full, {0: -1}).name == full.rechunk({0: -1}).name
     assert xp.rechunk(empty, {0: 2}) is empty  # nothing to change
+
+
+def test_the_namespace_is_the_backends_before_any_call_dispatched_one():
+    """``attnx.kernel_state`` and :mod:`attnx.blocks` take their namespace
+    from their arrays.  For a Dask array of other chunks (CuPy's on a GPU,
+    where two conformance cases failed when they ran first in their
+    process) it must be the Dask backend's, whose creations keep the chunks'
+    kind, also before any call has taught the registry the array's type:
+    array-api-compat's Dask namespace refuses that kind as a device."""
+    from attnx.kernel_regression import finish_state, kernel_state
+    from attnx_backends import dask_namespace as xp
+
+    attnx._registry._forget_types()
+    queries, keys = (
+        da.from_array(np.linspace(0, 1, n).view(_OtherChunks), chunks=2, asarray=False) for n in (3, 0)
+    )
+    state, nearest = kernel_state(queries, keys, keys, return_nearest=True)
+    # (The state's kind is NumPy's here: Dask joins NumPy subclasses with
+    # NumPy's concatenate, and CuPy arrays with CuPy's.)
+    assert xp.device(nearest) == xp.device(queries)
+    np.testing.assert_array_equal(nearest.compute(), np.full(3, np.inf))
+    assert not np.any(finish_state(state, keys).compute())
