@@ -241,9 +241,7 @@ def test_the_namespace_is_the_backends_before_any_call_dispatched_one():
     from attnx_backends import dask_namespace as xp
 
     attnx._registry._forget_types()
-    queries, keys = (
-        da.from_array(np.linspace(0, 1, n).view(_OtherChunks), chunks=2, asarray=False) for n in (3, 0)
-    )
+    queries, keys = (da.from_array(np.linspace(0, 1, n).view(_OtherChunks), chunks=2, asarray=False) for n in (3, 0))
     state, nearest = kernel_state(queries, keys, keys, return_nearest=True)
     # (The state's kind is NumPy's here: Dask joins NumPy subclasses with
     # NumPy's concatenate, and CuPy arrays with CuPy's.)
