@@ -135,6 +135,28 @@ def test_kernel_states_combine_past_the_float_range(attnx_backend, d):
     assert_close(parts[0][1], np.array([0.2, 0.9, third - 2, 5.6]), be, be.dtype("float64"), scale=1e3)
 
 
+def test_states_of_no_key_before_any_call_are_made_on_the_inputs_device(attnx_backend):
+    """attnx.blocks and the kernel states take their namespace from their
+    arrays: their owner's, also before any call has taught attnx the arrays'
+    type.  (Two cases failed on Dask arrays of CuPy chunks on a GPU, where
+    they ran first in their process: array-api-compat's Dask namespace, then
+    used, refuses a device of CuPy chunks.)  A part of the data with no key
+    makes its state from nothing: on the queries' device."""
+    be = attnx_backend
+    queries = be.array(np.linspace(-1, 1, 4))
+    no_key = queries[:0]
+    attnx._registry._forget_types()
+    xp = attnx._checks.namespace_of(queries)
+    assert xp is attnx._registry.owner_of(queries).xp
+    state, nearest = kernel_state(queries, no_key, no_key, return_nearest=True)
+    empty = blocks.from_scores(be.array(np.zeros((4, 0))), be.array(np.zeros((0, 3))))
+    device = attnx._checks.device_of(queries)
+    assert attnx._checks.device_of(state) == attnx._checks.device_of(nearest) == device
+    assert attnx._checks.device_of(empty) == device
+    assert np.all(be.numpy(nearest) == np.inf)
+    assert not np.any(be.numpy(finish_state(state, no_key))) and not np.any(be.numpy(blocks.finish(empty)))
+
+
 def test_kernel_states_with_nearest_combine_as_blocks_do(attnx_backend):
     """Within the float range, combine_states_along is blocks.combine_along;
     an empty part changes nothing."""
