@@ -129,7 +129,11 @@ class Backend:
 
     # -- arrays -----------------------------------------------------------
     def namespace(self) -> ModuleType:
-        """The array API namespace (usually from ``array_api_compat``)."""
+        """The array API namespace (usually from ``array_api_compat``):
+        every algorithm, and :mod:`attnx.blocks` given this backend's
+        arrays, computes through it, also before any call has dispatched to
+        this backend (the Dask backend's makes arrays of its inputs' chunks,
+        which array-api-compat's Dask namespace does not)."""
         raise NotImplementedError
 
     @property
