@@ -231,7 +231,7 @@ def test_an_empty_array_is_rechunked_in_chunks_of_its_own_kind():
 
 
 def test_the_namespace_is_the_backends_before_any_call_dispatched_one():
-    """``attnx.kernel_state`` and :mod:`attnx.blocks` take their namespace
+    """``kernel_state`` and :mod:`attnx.blocks` take their namespace
     from their arrays.  For a Dask array of other chunks (CuPy's on a GPU,
     where two conformance cases failed when they ran first in their
     process) it must be the Dask backend's, whose creations keep the chunks'
