@@ -96,6 +96,8 @@ def test_budget_and_explicit_chunk_size():
         attnx.set_memory_budget(True)
     with attnx.memory_budget(np.int64(2**40)):  # NumPy's integers are integers
         assert attnx.get_memory_budget() == 2**40 and type(attnx.get_memory_budget()) is int
+    with attnx.memory_budget(1):  # the least budget there is: blocks at their floor, not an error
+        assert attnx.get_memory_budget() == 1
 
 
 def test_a_backends_block_size_is_its_default_budget():

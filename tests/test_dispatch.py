@@ -170,3 +170,46 @@ def test_jax_arrays_made_on_a_kind_of_device():
         attnx.sinusoidal_positions(3, 4, backend="jax", device="cpu"),
     ]
     assert all(array.devices() == {jax.devices("cpu")[0]} for array in made)
+
+
+@pytest.mark.parametrize("choice", ["use_backend() block", "set_backend()", "$ATTNX_BACKEND"])
+def test_the_chosen_backend_wins_a_type_it_shares_when_it_owns_every_input(loopback, caplog, monkeypatch, choice):
+    """The loopback backend owns NumPy arrays too, registered after numpy:
+    numpy's calls stay numpy's, unless the user chose loopback, however
+    they chose it; the plan made for the signature before does not hold."""
+    call = lambda: attnx.scaled_dot_product_attention(*QKV)  # noqa: E731
+    with caplog.at_level(logging.DEBUG, logger="attnx"):
+        call()
+        assert loopback.calls == []
+        if choice == "use_backend() block":
+            with attnx.use_backend("loopback"):
+                call()
+        elif choice == "set_backend()":
+            attnx.set_backend("loopback")
+            try:
+                call()
+            finally:
+                attnx.set_backend(None)
+        else:
+            monkeypatch.setenv("ATTNX_BACKEND", "loopback")
+            call()
+            monkeypatch.delenv("ATTNX_BACKEND")
+        call()
+    assert len(loopback.calls) == 1
+    assert caplog.messages == [
+        "scaled_dot_product_attention: backend 'numpy' (owns query), native",
+        f"scaled_dot_product_attention: backend 'loopback' ({choice}, owns the inputs too), native",
+        "scaled_dot_product_attention: backend 'numpy' (owns query), native",
+    ]
+
+
+def test_inputs_on_two_devices_of_one_backend_are_refused(array_api_strict_backend):
+    """A backend with two devices (array-api-strict's example lists
+    ``device1``) has its inputs compared device by device; one device alone
+    is a call."""
+    import array_api_strict as strict
+
+    default, other = strict.ones((2, 3, 4)), strict.ones((2, 3, 4), device=strict.Device("device1"))
+    with pytest.raises(ValueError, match=r"inputs lie on two devices: query on .* but key on .*device1"):
+        attnx.scaled_dot_product_attention(default, other, default)
+    assert attnx.scaled_dot_product_attention(other, other, other).device == other.device

@@ -152,3 +152,37 @@ def test_an_entry_point_whose_module_raises_on_import_is_listed_not_fatal(monkey
     monkeypatch.setenv("ATTNX_STRICT_PLUGINS", "1")
     with pytest.raises(attnx.PluginError, match="no frobnicator"):
         Registry(group="attnx.test-group").info()
+
+
+class _EntryPoint:
+    """An entry point of an installed distribution, as importlib.metadata
+    lists them: its name, its distribution's, and the plugin it loads."""
+
+    def __init__(self, name, plugin, distribution):
+        self.name, self.value, self._plugin = name, f"{distribution.replace('-', '_')}:plugin", plugin
+        self.dist = type(sys)("dist")
+        self.dist.name = distribution
+
+    def load(self):
+        return self._plugin
+
+
+def test_plugins_load_in_order_of_their_distribution_s_name(monkeypatch, loopback_class):
+    """Two distributions claim one backend name: the first by distribution
+    name wins, whatever their entry points are called, and the message says so."""
+    monkeypatch.delenv("ATTNX_STRICT_PLUGINS", raising=False)
+    registry_module = sys.modules["attnx._registry"]  # attnx._registry is the registry object
+    first, second = loopback_class(), loopback_class()
+    found = [
+        _EntryPoint("a-plugin", _plugin(second), "zeta-dist"),
+        _EntryPoint("z-plugin", _plugin(first), "alpha-dist"),
+    ]
+    monkeypatch.setattr(registry_module, "entry_points", lambda group: found if group == "attnx.test-group" else [])
+    registry = Registry(group="attnx.test-group")
+    with pytest.warns(attnx.PluginWarning) as warned:
+        assert registry.get("loopback") is first
+    (message,) = [str(w.message) for w in warned]
+    assert (
+        "plugin 'z-plugin' from alpha-dist is used and plugin 'a-plugin' from zeta-dist is ignored, "
+        "because plugins are loaded in order of their distribution's name and the first claim wins"
+    ) in message
