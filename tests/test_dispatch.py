@@ -203,17 +203,24 @@ def test_the_chosen_backend_wins_a_type_it_shares_when_it_owns_every_input(loopb
     ]
 
 
-@pytest.mark.parametrize("listed", [2, 3])
+def _unknown_devices():
+    raise RuntimeError("the driver did not answer")
+
+
+@pytest.mark.parametrize("listed", [2, 3, "a failing devices()"])
 def test_inputs_on_two_devices_of_one_backend_are_refused(array_api_strict_backend, monkeypatch, listed):
     """A backend with several devices (array-api-strict's example lists
-    three; two, as PyTorch on a machine with one GPU) has its inputs
-    compared device by device; one device alone is a call."""
+    three; two, as PyTorch on a machine with one GPU; or it can't tell) has
+    its inputs compared device by device; one device alone is a call."""
     import array_api_strict as strict
 
-    devices = array_api_strict_backend.devices()[:listed]
-    monkeypatch.setattr(array_api_strict_backend, "devices", lambda: devices)
+    devices = array_api_strict_backend.devices()
+    monkeypatch.setattr(
+        array_api_strict_backend, "devices", _unknown_devices if isinstance(listed, str) else lambda: devices[:listed]
+    )
     attnx._registry._forget_types()  # what it learnt of the type, with the devices listed before
-    default, other = strict.ones((2, 3, 4)), strict.ones((2, 3, 4), device=strict.Device("device1"))
+    default = strict.ones((2, 3, 4))
+    other, another = (strict.ones((2, 3, 4), device=strict.Device("device1")) for _ in range(2))
     with pytest.raises(ValueError, match=r"inputs lie on two devices: query on .* but key on .*device1"):
         attnx.scaled_dot_product_attention(default, other, default)
-    assert attnx.scaled_dot_product_attention(other, other, other).device == other.device
+    assert attnx.scaled_dot_product_attention(other, another, other).device == other.device

@@ -186,3 +186,55 @@ def test_plugins_load_in_order_of_their_distribution_s_name(monkeypatch, loopbac
         "plugin 'z-plugin' from alpha-dist is used and plugin 'a-plugin' from zeta-dist is ignored, "
         "because plugins are loaded in order of their distribution's name and the first claim wins"
     ) in message
+
+
+def _declines(self):
+    return "no frobnicator on this machine"
+
+
+def _fails_to_tell(self):
+    raise OSError("the frobnicator's driver did not answer")
+
+
+@pytest.mark.parametrize(
+    ("check", "reason"),
+    [(_declines, "no frobnicator on this machine"), (_fails_to_tell, "availability check failed: OSError")],
+)
+def test_a_backend_s_own_word_on_its_availability_is_listed(loopback_class, check, reason):
+    """A backend whose namespace imports may still say it can't run here,
+    or fail to tell (which must not break attnx): listed unavailable, with
+    the reason, and refused by name."""
+
+    class Declining(loopback_class):
+        name = "declining"
+        unavailable_reason = check
+
+    registry = Registry(group="attnx.no-such-group")
+    registry.register_plugin(_plugin(Declining()), name="declining-plugin")
+    (row,) = [info for info in registry.info() if info.name == "declining"]
+    assert not row.available and row.reason.startswith(reason)
+    with pytest.raises(attnx.BackendUnavailableError, match=f"'declining' is unavailable: {reason}"):
+        registry.get("declining")
+
+
+def test_unregistering_a_plugin_takes_its_rows_alone(monkeypatch, loopback_class):
+    """A plugin unregistered leaves the list with its failure or its ignored
+    claim, and nothing of the others'."""
+    monkeypatch.delenv("ATTNX_STRICT_PLUGINS", raising=False)
+    registry = Registry(group="attnx.no-such-group")
+    with pytest.warns(attnx.PluginWarning):
+        registry.register_plugin(_Broken(), name="broken")
+    registry.register_plugin(_plugin(loopback_class()), name="first")
+    with pytest.warns(attnx.PluginWarning):
+        registry.register_plugin(_plugin(loopback_class()), name="second")
+
+    def rows():
+        return sorted((info.name, info.available) for info in registry.info())
+
+    assert rows() == [("broken", False), ("loopback", False), ("loopback", True)]
+    registry.unregister_plugin("".join(["sec", "ond"]))  # a name equal to the registered one, not the same object
+    assert rows() == [("broken", False), ("loopback", True)]
+    registry.unregister_plugin("first")
+    assert rows() == [("broken", False)]
+    registry.unregister_plugin("broken")
+    assert rows() == []
