@@ -172,33 +172,48 @@ def test_jax_arrays_made_on_a_kind_of_device():
     assert all(array.devices() == {jax.devices("cpu")[0]} for array in made)
 
 
+@pytest.fixture(params=["loopback", "vectorised"])  # named before "numpy" and after
+def sharing(request, loopback_class):
+    """A backend that owns NumPy arrays too, registered after numpy."""
+    backend = type("Sharing", (loopback_class,), {"name": request.param})()
+
+    class Plugin:
+        @attnx.hookimpl
+        def attnx_backends(self):
+            return [backend]
+
+    name = attnx.register_plugin(Plugin(), name="sharing-plugin")
+    yield backend
+    attnx.unregister_plugin(name)
+
+
 @pytest.mark.parametrize("choice", ["use_backend() block", "set_backend()", "$ATTNX_BACKEND"])
-def test_the_chosen_backend_wins_a_type_it_shares_when_it_owns_every_input(loopback, caplog, monkeypatch, choice):
-    """The loopback backend owns NumPy arrays too, registered after numpy:
-    numpy's calls stay numpy's, unless the user chose loopback, however
-    they chose it; the plan made for the signature before does not hold."""
+def test_the_chosen_backend_wins_a_type_it_shares_when_it_owns_every_input(sharing, caplog, monkeypatch, choice):
+    """numpy's calls stay numpy's, unless the user chose the backend that
+    shares its arrays, however they chose it; the plan made for the
+    signature before does not hold."""
     call = lambda: attnx.scaled_dot_product_attention(*QKV)  # noqa: E731
     with caplog.at_level(logging.DEBUG, logger="attnx"):
         call()
-        assert loopback.calls == []
+        assert sharing.calls == []
         if choice == "use_backend() block":
-            with attnx.use_backend("loopback"):
+            with attnx.use_backend(sharing.name):
                 call()
         elif choice == "set_backend()":
-            attnx.set_backend("loopback")
+            attnx.set_backend(sharing.name)
             try:
                 call()
             finally:
                 attnx.set_backend(None)
         else:
-            monkeypatch.setenv("ATTNX_BACKEND", "loopback")
+            monkeypatch.setenv("ATTNX_BACKEND", sharing.name)
             call()
             monkeypatch.delenv("ATTNX_BACKEND")
         call()
-    assert len(loopback.calls) == 1
+    assert len(sharing.calls) == 1
     assert caplog.messages == [
         "scaled_dot_product_attention: backend 'numpy' (owns query), native",
-        f"scaled_dot_product_attention: backend 'loopback' ({choice}, owns the inputs too), native",
+        f"scaled_dot_product_attention: backend '{sharing.name}' ({choice}, owns the inputs too), native",
         "scaled_dot_product_attention: backend 'numpy' (owns query), native",
     ]
 
