@@ -248,3 +248,16 @@ def test_the_namespace_is_the_backends_before_any_call_dispatched_one():
     assert xp.device(nearest) == xp.device(queries)
     np.testing.assert_array_equal(nearest.compute(), np.full(3, np.inf))
     assert not np.any(finish_state(state, keys).compute())
+
+
+@pytest.mark.parametrize(("value", "chunks"), [("2", ((2, 2, 1),)), (" auto ", ((5,),)), ("", ((5,),))])
+def test_new_arrays_are_chunked_as_the_environment_says(monkeypatch, value, chunks):
+    monkeypatch.setenv("ATTNX_DASK_CHUNKS", value)
+    assert attnx.asarray(np.ones(5), backend="dask").chunks == chunks
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "two", "2.5"])
+def test_a_bad_chunk_size_in_the_environment_is_named(monkeypatch, value):
+    monkeypatch.setenv("ATTNX_DASK_CHUNKS", value)
+    with pytest.raises(ValueError, match=rf"\$ATTNX_DASK_CHUNKS must be 'auto' or a positive integer, got '{value}'"):
+        attnx.asarray(np.ones(3), backend="dask")
