@@ -64,16 +64,16 @@ def test_keys_split_over_chunks_are_combined_in_a_tree():
     np.testing.assert_allclose(output.compute(), _reference(q, k, v), rtol=1e-10, atol=1e-12)
 
 
-def test_chunk_size_sets_the_chunks():
-    q, k, v = _inputs((2, 100, 8), (2, 90, 8), 8, seed=2)
+@pytest.mark.parametrize("batch", [(2,), (2, 3)])
+def test_chunk_size_sets_the_chunks(batch):
+    q, k, v = _inputs((*batch, 100, 8), (*batch, 90, 8), 8, seed=2)
     output = attnx.scaled_dot_product_attention(*(da.from_array(a) for a in (q, k, v)), chunk_size=(32, 40))
-    assert output.chunks[1] == (32, 32, 32, 4)
+    assert output.chunks[-2] == (32, 32, 32, 4)
     # a block per chunk of queries and of keys: 4 x 3 (90 keys in 40s)
     graph = output.__dask_graph__()
     (blocks,) = [name for name in graph.layers if name.startswith("attnx-sdpa-block")]
-    assert sorted({key[2:4] for key in graph.layers[blocks].get_output_keys()}) == [
-        (i, j) for i in range(4) for j in range(3)
-    ]
+    rows_and_keys = {key[1 + len(batch) : 3 + len(batch)] for key in graph.layers[blocks].get_output_keys()}
+    assert sorted(rows_and_keys) == [(i, j) for i in range(4) for j in range(3)]
     np.testing.assert_allclose(output.compute(), _reference(q, k, v), rtol=1e-10, atol=1e-12)
 
 
