@@ -25,6 +25,9 @@ the plan attnx made before the change measured:
 - the CuPy native of SDPA with that kernel (``native``): its outputs
   against the generic algorithm's, its time against the generic
   algorithm's and PyTorch's SDPA, and causal calls by their blocks of rows.
+- the native with masks that have a leading axis per slice (``masks``),
+  against the generic algorithm and PyTorch's SDPA given the same mask;
+  where its host time goes at n = 512 (``host_profile``, cProfile).
 
 The window's anchor is PyTorch's compiled FlexAttention, in the same run.
 Dask arrays of CuPy chunks are checked by ``tests/test_dask_cupy.py``.
