@@ -42,17 +42,28 @@ def loopback_class():
 
 
 @pytest.fixture
-def loopback():
-    backend = LoopbackBackend()
+def register_backend():
+    """``register_backend(backend, name)``: ``backend`` registered with attnx
+    as a plugin of its own called ``name``, unregistered after the test."""
+    names = []
 
-    class Plugin:
-        @attnx.hookimpl
-        def attnx_backends(self):
-            return [backend]
+    def register(backend, name):
+        class Plugin:
+            @attnx.hookimpl
+            def attnx_backends(self):
+                return [backend]
 
-    name = attnx.register_plugin(Plugin(), name="loopback-plugin")
-    yield backend
-    attnx.unregister_plugin(name)
+        names.append(attnx.register_plugin(Plugin(), name=name))
+        return backend
+
+    yield register
+    for name in reversed(names):
+        attnx.unregister_plugin(name)
+
+
+@pytest.fixture
+def loopback(register_backend):
+    return register_backend(LoopbackBackend(), "loopback-plugin")
 
 
 @pytest.fixture

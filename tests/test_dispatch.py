@@ -173,18 +173,9 @@ def test_jax_arrays_made_on_a_kind_of_device():
 
 
 @pytest.fixture(params=["loopback", "vectorised"])  # named before "numpy" and after
-def sharing(request, loopback_class):
+def sharing(request, loopback_class, register_backend):
     """A backend that owns NumPy arrays too, registered after numpy."""
-    backend = type("Sharing", (loopback_class,), {"name": request.param})()
-
-    class Plugin:
-        @attnx.hookimpl
-        def attnx_backends(self):
-            return [backend]
-
-    name = attnx.register_plugin(Plugin(), name="sharing-plugin")
-    yield backend
-    attnx.unregister_plugin(name)
+    return register_backend(type("Sharing", (loopback_class,), {"name": request.param})(), "sharing-plugin")
 
 
 @pytest.mark.parametrize("choice", ["use_backend() block", "set_backend()", "$ATTNX_BACKEND"])
