@@ -30,6 +30,23 @@ def test_explicit_backend_native_and_declined(loopback, caplog):
     assert isinstance(loopback.calls[0]["scale"], float)
 
 
+def test_torch_calls_go_to_pytorchs_kernel_unless_there_is_nothing_to_attend(caplog):
+    """The torch backend's native (PyTorch's SDPA) takes its calls, planned
+    or not, with keys or values broadcast over the batch; a call with no
+    query goes to the generic algorithm, which gives its empty output."""
+    torch = pytest.importorskip("torch")
+    query, broadcast = torch.ones(2, 3, 4, 8), torch.ones(1, 3, 4, 8)
+    with caplog.at_level(logging.DEBUG, logger="attnx"):
+        for _ in range(2):  # the second from the plan made for the signature
+            attnx.scaled_dot_product_attention(query, query, query)
+        attnx.scaled_dot_product_attention(query, broadcast, broadcast, is_causal=True)
+        assert attnx.scaled_dot_product_attention(query[..., :0, :], query, query).shape == (2, 3, 0, 8)
+    native = "scaled_dot_product_attention: backend 'torch' (owns query), native"
+    assert caplog.messages == [native] * 3 + [
+        "scaled_dot_product_attention: backend 'torch' (owns query), generic, native declined"
+    ]
+
+
 def test_use_backend_is_context_local():
     pytest.importorskip("torch")
     seen = {}
