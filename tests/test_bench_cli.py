@@ -222,3 +222,44 @@ def test_a_third_partys_backend_gets_the_dtype_asked_for():
         assert function().dtype == torch.bfloat16
     finally:
         attnx.unregister_plugin(name)
+
+
+def _bench(tmp_path, *arguments):
+    """``attnx bench`` in this process: its exit status and its rows.  The
+    cases are planned and reported but not timed (``measure`` gives 1 ms)."""
+    from attnx.cli import main
+
+    out = tmp_path / "report"
+    status = main(["bench", "--heads", "1", "--repeat", "1", "--rounds", "1", "--out", str(out), *arguments])
+    return status, json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture
+def untimed(monkeypatch):
+    monkeypatch.setattr(benchmark, "measure", lambda case, memory=True: Result(case, 1e-3, [1e-3], 100))
+
+
+def test_bench_fills_in_what_was_not_given_and_takes_the_baselines_named(tmp_path, capsys, untimed):
+    pytest.importorskip("torch")
+    status, rows = _bench(tmp_path, "--sizes", "16", "--baselines", "torch-sdpa")
+    assert status == 0
+    assert {row["implementation"] for row in rows} == {"attnx:numpy", "torch-sdpa"}
+    assert {(row["batch"], row["head_dim"]) for row in rows} == {(1, 64)}  # the defaults
+    out = capsys.readouterr().out
+    assert "time.png" in out and "no plots" not in out  # matplotlib is a test dependency
+
+
+def test_grid_fills_in_the_grid_s_batches_and_widths(tmp_path, untimed):
+    pytest.importorskip("torch")
+    status, rows = _bench(tmp_path, "--grid", "--sizes", "16", "--operations", "sdpa", "--baselines", "torch-sdpa")
+    assert status == 0
+    assert sorted({row["batch"] for row in rows}) == list(benchmark.GRID["batch"])
+    assert sorted({row["head_dim"] for row in rows}) == list(benchmark.GRID["head_dim"])
+
+
+def test_bench_exits_1_when_a_case_fails(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        benchmark, "measure", lambda case, memory=True: Result(case, error="RuntimeError: out of memory")
+    )
+    status, rows = _bench(tmp_path, "--sizes", "16", "--no-baselines")
+    assert status == 1 and rows and all(row["error"] == "RuntimeError: out of memory" for row in rows)
