@@ -103,3 +103,18 @@ def test_the_benchmark_report_does_not_import_the_command_line():
     code = "import sys, attnx.benchmark; print('attnx.cli' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_the_demo_shows_causal_padded_weights_that_sum_to_1(capsys):
+    """`attnx demo`, the README's first command: the backends with their
+    versions, then weights with nothing on the future or the padding."""
+    import numpy as np
+
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert any(line.split()[:3] == ["numpy", "yes", np.__version__] for line in out.splitlines())
+    rows = [line.split() for line in out.splitlines() if line.startswith("  ") and "sum" in line]
+    weights = np.array([[float(w) for w in row[:5]] for row in rows]).reshape(2, 5, 5)
+    assert not np.triu(weights, 1).any() and not weights[1, :, 3:].any()
+    np.testing.assert_allclose(weights.sum(-1), 1.0, atol=0.03)  # printed to 2 decimals
+    assert "output: numpy.ndarray (2, 5, 4) float32." in out
