@@ -76,6 +76,9 @@ def test_help_lists_every_command_on_one_line_and_every_default(capsys):
                 assert start in help_text, (name, action.dest)
                 after = help_text.partition(start)[2][:300]
                 assert "default" in after, f"attnx {name} {action.option_strings[0]} does not show its default"
+    bench_help = " ".join(parser._subparsers._group_actions[0].choices["bench"].format_help().split())
+    assert "--no-baselines skip the baselines" in bench_help
+    assert "where installed) (default: off)" in bench_help  # a flag's default reads off or on, not False
 
 
 def test_bench_warns_when_the_machine_is_busy(monkeypatch):
