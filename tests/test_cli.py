@@ -23,6 +23,7 @@ MISTAKES = [
     ["conformance", "cupy"],
     ["conformance", "numpy", "--device", "cuda:7"],
     ["backends", "--what"],
+    ["demo", "--what"],
     ["frobnicate"],
     [],
 ]
