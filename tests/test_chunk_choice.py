@@ -131,6 +131,7 @@ def test_pytorch_s_cuda_tensors_get_a_gpu_s_blocks():
     torch = pytest.importorskip("torch")
     from attnx.backend import GPU_BLOCK_BYTES
 
+    assert GPU_BLOCK_BYTES == 512 * 2**20  # measured: within 4% of 1 GiB blocks (bench/RESULTS.md, "GPU")
     assert attnx.get_memory_budget("torch") == attnx.get_memory_budget("torch", torch.device("cpu")) == BLOCK_BYTES
     for device in ("cuda:0", torch.device("cuda", 1)):
         assert attnx.get_memory_budget("torch", device) == GPU_BLOCK_BYTES

@@ -238,3 +238,24 @@ def test_unregistering_a_plugin_takes_its_rows_alone(monkeypatch, loopback_class
     assert rows() == [("broken", False)]
     registry.unregister_plugin("broken")
     assert rows() == []
+
+
+def test_a_backend_that_says_nothing_of_threads_runs_its_blocks_one_at_a_time():
+    """The base class's contract with a third party's backend: ``map_blocks``
+    runs the blocks in order on the calling thread, and ``concurrent_blocks``
+    says so, so that the planner gives each block the whole budget."""
+    import threading
+
+    class Plain(attnx.Backend):
+        name = "plain"
+
+    threads = []
+
+    def double(item):
+        threads.append(threading.get_ident())
+        return 2 * item
+
+    plain = Plain()
+    assert plain.map_blocks(double, [1, 2, 3]) == [2, 4, 6]
+    assert threads == [threading.get_ident()] * 3
+    assert plain.concurrent_blocks == 1
