@@ -97,6 +97,29 @@ def test_suite_runs_from_the_command_line_on_numpy(pytester):
     result.stdout.fnmatch_lines(["scaled_dot_product_attention * passed*"])
 
 
+def test_the_report_names_the_backends_under_test(pytester):
+    """pytest's header says what was tested: the version and devices of each
+    backend selected (none is said where nothing was selected)."""
+    version = attnx._registry.get("numpy").version()
+    result = pytester.runpytest_subprocess(
+        "--pyargs", "attnx_conformance.test_masked_softmax", "--attnx-backend", "numpy", "-k", "additive_inf"
+    )
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(
+        [f"attnx {attnx.__version__}; backends under test:", f"  numpy {version} (attnx), devices cpu"]
+    )
+
+
+def test_only_a_lazy_backend_skips_the_checks_of_values():
+    """The checks of values that can't be read before computing are skipped
+    on lazy arrays alone: NumPy's run them all."""
+    from attnx_conformance.plugin import BackendUnderTest
+
+    assert BackendUnderTest("numpy", attnx._registry.get("numpy")).lazy is False
+    pytest.importorskip("dask.array")
+    assert BackendUnderTest("dask", attnx._registry.get("dask")).lazy is True
+
+
 def test_known_failures_file_xfails_and_warns_on_unused_entries(pytester):
     xfails = pytester.makefile(
         ".txt",

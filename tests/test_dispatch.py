@@ -103,6 +103,11 @@ def test_asarray_and_to_numpy_round_trip():
     np.testing.assert_array_equal(attnx.to_numpy(x), [0.0, 1.0, 2.0])
     y = attnx.asarray(x, backend="numpy")
     assert isinstance(y, np.ndarray)
+    # Another backend's array goes through its owner's to_numpy: NumPy alone
+    # refuses a tensor that records gradients.  Its own backend's is kept.
+    recorded = torch.ones(2, requires_grad=True)
+    np.testing.assert_array_equal(attnx.asarray(recorded, backend="numpy"), [1.0, 1.0])
+    assert attnx.asarray(recorded, backend="torch") is recorded
 
 
 def test_device_names_become_the_library_s_devices():
