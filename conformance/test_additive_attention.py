@@ -28,7 +28,9 @@ def make(be, dtype, q_shape, k_shape, d_v, hidden, seed=0):
     return on_backend, exact
 
 
-@pytest.mark.parametrize("q_shape, k_shape", [((3, 4), (5, 6)), ((2, 1, 4), (2, 7, 3)), ((2, 5, 4), (1, 5, 4)), ((5, 4), (3, 2, 7, 3))])
+@pytest.mark.parametrize(
+    "q_shape, k_shape", [((3, 4), (5, 6)), ((2, 1, 4), (2, 7, 3)), ((2, 5, 4), (1, 5, 4)), ((5, 4), (3, 2, 7, 3))]
+)
 def test_matches_reference(attnx_backend, q_shape, k_shape):
     be = attnx_backend
     for dtype in be.dtypes:
