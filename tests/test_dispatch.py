@@ -108,6 +108,8 @@ def test_asarray_and_to_numpy_round_trip():
     recorded = torch.ones(2, requires_grad=True)
     np.testing.assert_array_equal(attnx.asarray(recorded, backend="numpy"), [1.0, 1.0])
     assert attnx.asarray(recorded, backend="torch") is recorded
+    with pytest.raises(TypeError):  # backend, dtype and device are keywords, as in NumPy's and PyTorch's
+        attnx.asarray([1.0], "numpy")
 
 
 def test_device_names_become_the_library_s_devices():
