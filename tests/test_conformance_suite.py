@@ -295,8 +295,15 @@ def test_a_device_the_backend_does_not_list_is_one_error_before_any_test(pyteste
 
 
 def test_the_suite_leaves_nothing_in_the_users_folder(tmp_path):
+    """Nor in the temporary folder, where hypothesis kept what it learnt."""
+    import os
+
+    folder, temporary = tmp_path / "work", tmp_path / "tmp"
+    for made in (folder, temporary):
+        made.mkdir()
     command = ["attnx", "conformance", "numpy", "-k", "test_properties or test_scale_argument"]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    environment = {**os.environ, "TMPDIR": str(temporary)}
+    result = subprocess.run(command, cwd=folder, env=environment, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "passed" in result.stdout
-    assert list(tmp_path.iterdir()) == []
+    assert list(folder.iterdir()) == [] and list(temporary.iterdir()) == []
