@@ -136,8 +136,8 @@ def test_suite_runs_from_the_command_line_on_numpy(pytester):
 
 
 def test_the_report_names_the_backends_under_test(pytester):
-    """pytest's header says what was tested: the version and devices of each
-    backend selected (none is said where nothing was selected)."""
+    """pytest's header says what is tested: the version and devices of the
+    backend selected, and no other (the suite runs on it alone)."""
     version = attnx._registry.get("numpy").version()
     result = pytester.runpytest_subprocess(
         "--pyargs", "attnx_conformance.test_masked_softmax", "--attnx-backend", "numpy", "-k", "additive_inf"
@@ -146,6 +146,8 @@ def test_the_report_names_the_backends_under_test(pytester):
     result.stdout.fnmatch_lines(
         [f"attnx {attnx.__version__}; backends under test:", f"  numpy {version} (attnx), devices cpu"]
     )
+    for other in {info.name for info in attnx.list_backends()} - {"numpy"}:  # the one named, and no other
+        result.stdout.no_fnmatch_line(f"  {other}*")
 
 
 def test_only_a_lazy_backend_skips_the_checks_of_values():
