@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
+import numpy as np
 import pytest
 
 import attnx
@@ -175,6 +176,9 @@ def test_checks_written_for_float64_run_in_the_widest_dtype_a_backend_has():
     assert under_test("float16", "float32").dtype("float16") == "float16"
     assert under_test("float16", "bfloat16").widest == "bfloat16"
     assert under_test("float64", "float32").dtype("float64") == "float64"
+    # and the arrays it makes of float64 data, given or implied, come in that dtype
+    assert under_test("float16", "float32").array(np.ones(2), "float64").dtype == np.float32
+    assert under_test("float16", "float32").array(np.ones(2)).dtype == np.float32
     with pytest.raises(ValueError, match="backend 'numpy' lists no float dtype attnx knows"):
         under_test("int8").dtype("float64")
 
