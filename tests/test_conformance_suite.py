@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import numpy as np
@@ -9,33 +10,44 @@ import pytest
 
 import attnx
 
-BROKEN = '''
+
+def broken_plugin(base_module: str, base: str, body: str) -> str:
+    """A third party's plugin module registering "broken": ``base`` (of
+    ``attnx_backends.<base_module>``) under another name, with ``body``, the
+    class's statements, holding the bug."""
+    return f"""
 import attnx
 from attnx.attention import sdpa_generic
-from attnx_backends.numpy_backend import NumPyBackend
+from attnx_backends.{base_module} import {base}
 
 
-class DropsTheScale(NumPyBackend):
-    """Owns NumPy arrays under another name; its native SDPA forgets the scale."""
-
+class Broken({base}):
     name = "broken"
+{body}
 
+class Plugin:
+    @attnx.hookimpl
+    def attnx_backends(self):
+        return [Broken()]
+
+
+attnx.register_plugin(Plugin(), name="broken-plugin")
+"""
+
+
+# Owns NumPy arrays; its native SDPA forgets the scale.
+BROKEN = broken_plugin(
+    "numpy_backend",
+    "NumPyBackend",
+    """
     def implementations(self):
         return {"scaled_dot_product_attention": self.sdpa}
 
     def sdpa(self, **kwargs):
         kwargs["scale"] = 1.0  # the bug
         return sdpa_generic(self.xp, **kwargs)
-
-
-class Plugin:
-    @attnx.hookimpl
-    def attnx_backends(self):
-        return [DropsTheScale()]
-
-
-attnx.register_plugin(Plugin(), name="broken-plugin")
-'''
+""",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -73,17 +85,9 @@ def test_suite_fails_a_backend_that_drops_the_scale(pytester):
     result.stdout.fnmatch_lines(["*Not equal to tolerance*"])
 
 
+# In one dtype alone (what its tolerance must catch by itself); its native
+# SDPA is off by ``error``.
 OFF_BY = """
-import attnx
-from attnx.attention import sdpa_generic
-from attnx_backends.{module} import {base}
-
-
-class OffBy({base}):
-    \"\"\"Owns {base}'s arrays under another name, in {dtype} alone (what its
-    tolerance must catch by itself); its native SDPA is off by {error}.\"\"\"
-
-    name = "broken"
     float_dtypes = ("{dtype}",)
 
     def implementations(self):
@@ -96,15 +100,6 @@ class OffBy({base}):
         if kwargs["return_weights"]:
             return NotImplemented
         return sdpa_generic(self.xp, **kwargs) * (1 + {error})  # the bug
-
-
-class Plugin:
-    @attnx.hookimpl
-    def attnx_backends(self):
-        return [OffBy()]
-
-
-attnx.register_plugin(Plugin(), name="broken-plugin")
 """
 
 
@@ -123,7 +118,7 @@ def test_suite_fails_a_backend_off_by_a_little_more_than_its_dtype_allows(pytest
     to 2e-2 and bfloat16's to 6e-2 (of the values, 2e-3 and 2e-2 absolute)."""
     if module == "torch_backend":
         pytest.importorskip("torch")
-    source = OFF_BY.format(module=module, base=base, dtype=dtype, error=error)
+    source = broken_plugin(module, base, OFF_BY.format(dtype=dtype, error=error))
     result = _sdpa_suite_on_broken(pytester, source, "-k", "test_matches_reference_over_shapes_and_dtypes")
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) >= 5, outcomes
@@ -302,8 +297,6 @@ def test_a_device_the_backend_does_not_list_is_one_error_before_any_test(pyteste
 
 def test_the_suite_leaves_nothing_in_the_users_folder(tmp_path):
     """Nor in the temporary folder, where hypothesis kept what it learnt."""
-    import os
-
     folder, temporary = tmp_path / "work", tmp_path / "tmp"
     for made in (folder, temporary):
         made.mkdir()
