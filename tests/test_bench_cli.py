@@ -263,3 +263,44 @@ def test_bench_exits_1_when_a_case_fails(tmp_path, monkeypatch):
     )
     status, rows = _bench(tmp_path, "--sizes", "16", "--no-baselines")
     assert status == 1 and rows and all(row["error"] == "RuntimeError: out of memory" for row in rows)
+
+
+def test_flops_count_the_two_products_over_the_scores_computed():
+    """The report's GFLOP/s: 2 d FLOPs a score for Q K^T and as many for P V,
+    over the scores each operation computes (counted one row at a time)."""
+    batch, heads, n, d, window = 2, 8, 128, 64, 16
+    per_score = 4.0 * batch * heads * d
+
+    def flops(operation):
+        return Case("attnx:numpy", operation, batch, heads, n, d, window=window).flops
+
+    assert flops("sdpa") == per_score * n * n
+    assert flops("sdpa_causal") == per_score * n * n / 2
+    assert flops("sliding_window") == per_score * sum(min(row + 1, window + 1) for row in range(n))
+
+
+@pytest.mark.parametrize("baseline", ["numpy-textbook", "torch-sdpa", "jax-sdpa"])
+def test_each_baseline_computes_the_attention_attnx_computes(baseline):
+    """A baseline timed on other shapes or another layout than attnx's would
+    make its ratio meaningless: each one's output, on the same inputs, is
+    attnx's (JAX's in its (B, n, H, d) layout, swapped back)."""
+    np = pytest.importorskip("numpy")
+    pytest.importorskip(baseline.partition("-")[0])
+    for operation in ("sdpa", "sdpa_causal"):
+        case = Case(baseline, operation, batch=2, heads=3, n=16, head_dim=8)
+        expected_function, _ = benchmark._callable(Case("attnx:numpy", operation, batch=2, heads=3, n=16, head_dim=8))
+        function, _ = benchmark._callable(case)
+        got = np.asarray(function())
+        if baseline == "jax-sdpa":
+            got = got.swapaxes(1, 2)
+        np.testing.assert_allclose(got, np.asarray(expected_function()), rtol=1e-5, atol=1e-6, err_msg=operation)
+
+
+def test_a_load_above_the_cores_used_warns_that_figures_will_be_noisy(monkeypatch):
+    monkeypatch.setattr(benchmark.os, "sched_getaffinity", lambda pid: {0, 1})
+    for load, warned in ((1.0, False), (2.0, False), (2.5, True)):
+        monkeypatch.setattr(benchmark.os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
+        warning = benchmark.load_warning()
+        assert (warning is not None) == warned, (load, warning)
+    assert "load average 2.5 over the 2 cores" in warning
+    assert benchmark.load_warning(threads=4) is not None  # at most the cores there are: 2
