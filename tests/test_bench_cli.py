@@ -304,3 +304,51 @@ def test_a_load_above_the_cores_used_warns_that_figures_will_be_noisy(monkeypatc
         assert (warning is not None) == warned, (load, warning)
     assert "load average 2.5 over the 2 cores" in warning
     assert benchmark.load_warning(threads=4) is not None  # at most the cores there are: 2
+
+
+def test_baselines_that_hold_the_whole_scores_run_only_where_they_fit():
+    """(1, 8, 8192, 8192) float32 scores are 2 GiB, DENSE_LIMIT_BYTES: the
+    textbook runs there, not at n = 12288 (4.5 GiB); PyTorch's SDPA at both."""
+    cases = benchmark.plan(
+        ["numpy"],
+        ["sdpa"],
+        [8192, 12288],
+        batch=1,
+        heads=8,
+        head_dim=64,
+        dtype="float32",
+        repeat=1,
+        baselines=["numpy-textbook", "torch-sdpa"],
+    )
+    ran = {(case.implementation, case.n) for case in cases}
+    assert ran == {
+        ("attnx:numpy", 8192),
+        ("attnx:numpy", 12288),
+        ("numpy-textbook", 8192),
+        ("torch-sdpa", 8192),
+        ("torch-sdpa", 12288),
+    }
+
+
+def test_a_case_measures_what_it_is_asked_for():
+    """Memory in a process of its own (its allocator set for it), time in
+    another: ``run_case`` does the one it is given, or both."""
+    case = Case("attnx:numpy", "sdpa", batch=1, heads=1, n=16, head_dim=8, repeat=2)
+    timed = benchmark.run_case(case, "time")
+    assert timed.peak_bytes is None and timed.median_s > 0 and len(timed.times_s) >= 2
+    measured = benchmark.run_case(case, "memory")
+    assert measured.peak_bytes is not None and measured.median_s is None and measured.times_s == []
+    both = benchmark.run_case(case, "both")
+    assert both.peak_bytes is not None and both.median_s > 0
+
+
+def test_a_worker_that_crashes_is_reported_by_its_last_line(tmp_path, monkeypatch):
+    """The last line of a traceback is its error: that is what the table shows."""
+    crashing = tmp_path / "python"
+    crashing.write_text(
+        "#!/bin/sh\necho 'Traceback (most recent call last):' >&2\necho '  File x' >&2\necho 'MemoryError: no' >&2\nexit 1\n"
+    )
+    crashing.chmod(0o755)
+    monkeypatch.setattr(benchmark.sys, "executable", str(crashing))
+    case = Case("attnx:numpy", "sdpa", batch=1, heads=1, n=16, head_dim=8)
+    assert benchmark._run_worker(case, "time", timeout=30) == {"error": "worker failed: MemoryError: no"}
