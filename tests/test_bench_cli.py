@@ -352,3 +352,27 @@ def test_a_worker_that_crashes_is_reported_by_its_last_line(tmp_path, monkeypatc
     monkeypatch.setattr(benchmark.sys, "executable", str(crashing))
     case = Case("attnx:numpy", "sdpa", batch=1, heads=1, n=16, head_dim=8)
     assert benchmark._run_worker(case, "time", timeout=30) == {"error": "worker failed: MemoryError: no"}
+
+
+@pytest.mark.parametrize("baseline", ["torch-flex", "attnx-dense-mask"])
+def test_each_sliding_window_baseline_attends_the_same_window(baseline):
+    """The window's baselines (PyTorch's FlexAttention, attnx with a dense
+    mask) attend the keys attnx's block-sparse sliding window does."""
+    np = pytest.importorskip("numpy")
+    if baseline == "torch-flex":
+        pytest.importorskip("torch")
+    shape = {"batch": 1, "heads": 2, "n": 16, "head_dim": 8, "window": 3}
+    expected, _ = benchmark._callable(Case("attnx:numpy", "sliding_window", **shape))
+    function, _ = benchmark._callable(Case(baseline, "sliding_window", **shape))
+    np.testing.assert_allclose(np.asarray(function()), np.asarray(expected()), rtol=1e-5, atol=1e-6)
+
+
+def test_plots_draw_a_line_per_batch_and_width_only_where_a_sweep_has_several():
+    def results(*shapes):
+        return [Result(Case("attnx:numpy", "sdpa", b, 8, 128, d), median_s=1e-3) for b, d in shapes]
+
+    assert list(benchmark._series(results((1, 64)))) == [("sdpa", "attnx:numpy")]
+    assert list(benchmark._series(results((1, 64), (16, 128)))) == [
+        ("sdpa", "attnx:numpy B=1 d=64"),
+        ("sdpa", "attnx:numpy B=16 d=128"),
+    ]
