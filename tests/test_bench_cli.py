@@ -376,3 +376,9 @@ def test_plots_draw_a_line_per_batch_and_width_only_where_a_sweep_has_several():
         ("sdpa", "attnx:numpy B=1 d=64"),
         ("sdpa", "attnx:numpy B=16 d=128"),
     ]
+
+
+def test_the_table_gives_milliseconds_gflops_and_mebibytes():
+    case = Case("attnx:numpy", "sdpa", 1, 8, 128, 64)
+    (row,) = benchmark.table_rows([Result(case, median_s=2.5e-4, peak_bytes=3 * 2**20 + 2**19)])
+    assert row[4:7] == ("0.25", f"{case.flops / 2.5e-4 / 1e9:.1f}", "3.5")
