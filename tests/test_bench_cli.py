@@ -8,6 +8,7 @@ import subprocess
 import sys
 import sysconfig
 
+import numpy as np
 import pytest
 
 import attnx
@@ -284,7 +285,6 @@ def test_each_baseline_computes_the_attention_attnx_computes(baseline):
     """A baseline timed on other shapes or another layout than attnx's would
     make its ratio meaningless: each one's output, on the same inputs, is
     attnx's (JAX's in its (B, n, H, d) layout, swapped back)."""
-    np = pytest.importorskip("numpy")
     pytest.importorskip(baseline.partition("-")[0])
     for operation in ("sdpa", "sdpa_causal"):
         case = Case(baseline, operation, batch=2, heads=3, n=16, head_dim=8)
@@ -358,7 +358,6 @@ def test_a_worker_that_crashes_is_reported_by_its_last_line(tmp_path, monkeypatc
 def test_each_sliding_window_baseline_attends_the_same_window(baseline):
     """The window's baselines (PyTorch's FlexAttention, attnx with a dense
     mask) attend the keys attnx's block-sparse sliding window does."""
-    np = pytest.importorskip("numpy")
     if baseline == "torch-flex":
         pytest.importorskip("torch")
     shape = {"batch": 1, "heads": 2, "n": 16, "head_dim": 8, "window": 3}
