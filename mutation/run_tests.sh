@@ -2,7 +2,8 @@
 # The tests a mutant must survive: attnx's fast unit tests (no subprocess-heavy
 # CLI, example or pytester runs), then the conformance suite on NumPy, then the
 # conformance kit's own pytester runs (a minute) where the mutant is in the kit
-# or where asked for all (`run_tests.sh all`, before any mutant).  Stops at the first failure: a killed mutant.
+# or where asked for all (`run_tests.sh all`, before any mutant).  Stops at the
+# first failure: a killed mutant.
 set -euo pipefail
 export OPENBLAS_THREAD_TIMEOUT=4 OMP_NUM_THREADS=1 ATTNX_NUM_THREADS=1 ATTNX_STRICT_PLUGINS=1
 python -m pytest -x -q -p no:cacheprovider \

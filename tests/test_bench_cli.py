@@ -286,10 +286,10 @@ def test_each_baseline_computes_the_attention_attnx_computes(baseline):
     make its ratio meaningless: each one's output, on the same inputs, is
     attnx's (JAX's in its (B, n, H, d) layout, swapped back)."""
     pytest.importorskip(baseline.partition("-")[0])
+    shape = {"batch": 2, "heads": 3, "n": 16, "head_dim": 8}
     for operation in ("sdpa", "sdpa_causal"):
-        case = Case(baseline, operation, batch=2, heads=3, n=16, head_dim=8)
-        expected_function, _ = benchmark._callable(Case("attnx:numpy", operation, batch=2, heads=3, n=16, head_dim=8))
-        function, _ = benchmark._callable(case)
+        expected_function, _ = benchmark._callable(Case("attnx:numpy", operation, **shape))
+        function, _ = benchmark._callable(Case(baseline, operation, **shape))
         got = np.asarray(function())
         if baseline == "jax-sdpa":
             got = got.swapaxes(1, 2)
