@@ -9,6 +9,7 @@ devices, ``torch.compile(fullgraph=True)`` with the default compiler,
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 
 import attnx
 from attnx._tracing import DYNAMO_CONSTANT_MARK
+from attnx.attention import sdpa_generic
 from attnx_conformance import reference
 
 
@@ -182,6 +184,22 @@ def test_jax_float64_only_in_x64_mode(jax):
     assert "float64" not in attnx._registry.get("jax").float_dtypes
 
 
+def test_jax_takes_64_bit_integers_only_where_32_bits_hold_them(jax):
+    """Without x64 mode JAX makes int32 arrays of int64 data: attnx takes what
+    survives that exactly and refuses the rest, as it refuses float64."""
+    if jax.config.jax_enable_x64:
+        pytest.skip("x64 mode is on in this process")
+    kept = [np.array([-(2**31), 0, 2**31 - 1]), np.zeros((0, 3), np.int64), np.array([7], np.uint64)]
+    for data in kept:
+        made = attnx.asarray(data, backend="jax")
+        assert made.shape == data.shape and made.dtype.itemsize == 4
+        np.testing.assert_array_equal(np.asarray(made), data)
+    for data in (np.array([0, 2**31]), np.array([-(2**31) - 1, 0]), np.array([2**40], np.uint64)):
+        with pytest.raises(TypeError, match=r"makes u?int64 arrays only in x64 mode"):
+            attnx.asarray(data, backend="jax")
+    assert attnx.asarray(np.array([2**31]), backend="jax", dtype="float32").dtype == jax.numpy.float32
+
+
 def test_jit_on_a_host_with_two_devices(jax):
     """Arrays made outside a jitted function, on a host with several devices."""
     script = textwrap.dedent(
@@ -317,6 +335,28 @@ def test_torch_func_vmap_and_grad(torch):
     assert grad.item() != 0.0 and grad.item() == pytest.approx(leaf.grad.item(), rel=1e-12)
 
 
+def test_nothing_is_compiling_where_pytorch_is_not_loaded():
+    """``_tracing.compiling`` looks PyTorch up, never imports it; a NumPy user's
+    calls keep their plans (a compiled graph's don't), and stay torch-free."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import attnx
+        from attnx import _tracing
+        from attnx._registry import registry
+        q = np.ones((1, 2, 4, 3), np.float32)
+        for _ in range(3):  # the first meets NumPy's type, the second plans, the third runs the plan
+            attnx.scaled_dot_product_attention(q, q, q)
+        assert not _tracing.compiling() and "torch" not in sys.modules, sorted(sys.modules)
+        assert len(registry._plans) == 1, registry._plans
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 def test_trace_time_mark_is_torchs_own(torch):
     """attnx marks its bookkeeping for dynamo without importing torch: the mark
     must stay the one ``torch.compiler.assume_constant_result`` sets."""
@@ -328,27 +368,154 @@ def test_trace_time_mark_is_torchs_own(torch):
     assert getattr(function, DYNAMO_CONSTANT_MARK, False) is True
 
 
-def test_jax_native_equals_generic_where_it_routes(jax, monkeypatch):
-    """On accelerators the JAX backend routes to ``jax.nn.dot_product_attention``;
-    allowed on the CPU for this test, it must run and equal attnx's algorithm."""
-    from attnx.attention import sdpa_generic
+@pytest.fixture
+def jax_native(jax, monkeypatch):
+    """The JAX backend's native, which runs ``jax.nn.dot_product_attention`` on
+    accelerators, allowed on the CPU: a list that records, call by call,
+    whether it computed (True) or declined (False)."""
     from attnx_backends import jax_backend
 
-    jnp = jax.numpy
-    q, k, v, _, _ = _inputs()
-    arrays = [jnp.asarray(a) for a in (q, k, v)]
     monkeypatch.setattr(jax_backend, "NATIVE_PLATFORMS", frozenset({"cpu"}))
-    for is_causal in (False, True):
-        arguments = dict(mask=None, key_lengths=None, is_causal=is_causal, scale=0.5, return_weights=False)
-        native = jax_backend._scaled_dot_product_attention(query=arrays[0], key=arrays[1], value=arrays[2], **arguments)
-        assert native is not NotImplemented
-        generic = sdpa_generic(jnp, query=arrays[0], key=arrays[1], value=arrays[2], **arguments)
-        np.testing.assert_allclose(np.asarray(native), np.asarray(generic), rtol=2e-5, atol=2e-6)
-        # what attnx declines to hand it: a mask (JAX averages fully masked rows)
-        masked = jax_backend._scaled_dot_product_attention(
-            query=arrays[0], key=arrays[1], value=arrays[2], **{**arguments, "mask": jnp.ones((6, 6), bool)}
-        )
-        assert masked is NotImplemented
+    routed = []
+
+    def recorded(**arguments):
+        result = jax_backend._scaled_dot_product_attention(**arguments)
+        routed.append(result is not NotImplemented)
+        return result
+
+    monkeypatch.setattr(attnx._registry.get("jax"), "_natives", {"scaled_dot_product_attention": recorded})
+    return routed
+
+
+#: (query, key, value) shapes and is_causal the JAX native computes as attnx does.
+ROUTED = [
+    ((2, 3, 6, 4), (2, 3, 6, 4), (2, 3, 6, 4), False),
+    ((2, 3, 6, 4), (2, 3, 6, 4), (2, 3, 6, 4), True),
+    ((1, 2, 3, 4), (1, 2, 7, 4), (1, 2, 7, 4), False),
+    ((1, 2, 7, 4), (1, 2, 3, 4), (1, 2, 3, 4), False),
+]
+
+#: Calls it declines, since JAX would compute something else or refuse them,
+#: each with what makes it differ.
+DECLINED = {
+    "causal with more keys": (((1, 2, 3, 4), (1, 2, 7, 4), (1, 2, 7, 4)), {"is_causal": True}),
+    "causal with fewer keys": (((1, 2, 7, 4), (1, 2, 3, 4), (1, 2, 3, 4)), {"is_causal": True}),
+    "a boolean mask": (((1, 2, 6, 4),) * 3, {"mask": np.tri(6, dtype=bool)}),
+    "an additive mask": (((1, 2, 6, 4),) * 3, {"mask": np.zeros((6, 6), np.float32)}),
+    "key_lengths": (((2, 2, 6, 4),) * 3, {"key_lengths": np.array([6, 2], np.int32)}),
+    "returned weights": (((1, 2, 6, 4),) * 3, {"return_weights": True}),
+    "three axes": (((2, 6, 4),) * 3, {}),
+    "two axes": (((6, 4),) * 3, {}),
+    "five axes": (((1, 1, 2, 6, 4),) * 3, {}),
+    "a broadcast batch": (((1, 2, 6, 4), (3, 2, 6, 4), (3, 2, 6, 4)), {}),
+    "broadcast heads": (((1, 2, 6, 4), (1, 1, 6, 4), (1, 1, 6, 4)), {}),
+    "values with their own batch": (((1, 2, 6, 4), (1, 2, 6, 4), (3, 2, 6, 4)), {}),
+    "a wider value": (((1, 2, 6, 4), (1, 2, 6, 4), (1, 2, 6, 5)), {}),
+    "no queries": (((1, 2, 0, 4), (1, 2, 6, 4), (1, 2, 6, 4)), {}),
+    "no keys": (((1, 2, 6, 4), (1, 2, 0, 4), (1, 2, 0, 4)), {}),
+}
+
+
+def _arrays(jnp, shapes, dtype="float32", seed=0):
+    gen = np.random.default_rng(seed)
+    data = [gen.standard_normal(shape).astype(np.float32) for shape in shapes]
+    return data, [jnp.asarray(a, dtype=dtype) for a in data]
+
+
+@pytest.mark.parametrize("query_shape, key_shape, value_shape, is_causal", ROUTED)
+def test_jax_native_computes_attnx_s_function_where_it_routes(
+    jax_native, jax, query_shape, key_shape, value_shape, is_causal
+):
+    """Where attnx hands a call to ``jax.nn.dot_product_attention`` it must
+    give attnx's result: eager, jitted with the scale an argument (folded
+    into the queries), vmapped, and its gradients."""
+    jnp = jax.numpy
+    (q, k, v), arrays = _arrays(jnp, (query_shape, key_shape, value_shape))
+    causal = np.tri(query_shape[-2], key_shape[-2], dtype=bool) if is_causal else None
+    for scale in (None, 0.3):
+        out = attnx.scaled_dot_product_attention(*arrays, is_causal=is_causal, scale=scale)
+        expected = reference.scaled_dot_product_attention(q, k, v, allowed=causal, scale=scale)[0]
+        np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-6)
+    attend = jax.jit(
+        lambda q, k, v, scale: attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+    )
+    out = attend(*arrays, jnp.asarray(0.7))
+    expected = reference.scaled_dot_product_attention(q, k, v, allowed=causal, scale=0.7)[0]
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=2e-6)
+    per_example = jax.vmap(lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal))
+    np.testing.assert_allclose(
+        np.asarray(per_example(*(a[None] for a in arrays))[0]),
+        reference.scaled_dot_product_attention(q, k, v, allowed=causal)[0],
+        rtol=2e-5,
+        atol=2e-6,
+    )
+    assert jax_native == [True] * 4  # each call above, vmap's too, ran the native
+
+    def loss(attend):
+        return lambda q, k, v: (attend(query=q, key=k, value=v) ** 2).sum()
+
+    arguments = dict(mask=None, key_lengths=None, is_causal=is_causal, scale=0.5, return_weights=False)
+    gradients = jax.grad(loss(functools.partial(attnx.scaled_dot_product_attention, is_causal=is_causal)), (0, 1, 2))
+    generic = jax.grad(loss(functools.partial(sdpa_generic, jnp, **arguments)), (0, 1, 2))
+    for routed, own in zip(gradients(*arrays), generic(*arrays)):
+        np.testing.assert_allclose(np.asarray(routed), np.asarray(own), rtol=1e-4, atol=1e-5)
+    assert jax_native == [True] * 5
+
+
+@pytest.mark.parametrize("why", sorted(DECLINED))
+def test_jax_native_declines_what_jax_computes_otherwise(jax_native, jax, why):
+    """A fully masked row is zeros in attnx and an average in JAX, whose causal
+    mask aligns to the first key, and which neither returns weights nor
+    broadcasts: such calls go to attnx's own algorithm, and are right."""
+    jnp = jax.numpy
+    shapes, options = DECLINED[why]
+    (q, k, v), arrays = _arrays(jnp, shapes)
+    n, m = shapes[0][-2], shapes[1][-2]
+    allowed = np.ones((n, m), bool)
+    if options.get("is_causal"):
+        allowed = np.tri(n, m, m - n, dtype=bool)  # aligned to the last key, as PyTorch's is
+    mask = options.get("mask")
+    additive = None
+    if mask is not None and mask.dtype == bool:
+        allowed = mask
+    elif mask is not None:
+        additive = mask
+    if "key_lengths" in options:
+        allowed = allowed & (np.arange(m) < options["key_lengths"][:, None, None, None])
+    given = {name: jnp.asarray(value) if isinstance(value, np.ndarray) else value for name, value in options.items()}
+    result = attnx.scaled_dot_product_attention(*arrays, **given)
+    expected, weights = reference.scaled_dot_product_attention(q, k, v, allowed=allowed, additive=additive)
+    if options.get("return_weights"):
+        result, returned = result
+        np.testing.assert_allclose(np.asarray(returned), weights, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(result), expected, rtol=2e-5, atol=2e-6)
+    assert jax_native == [False]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_jax_native_declines_half_precision(jax_native, jax, dtype):
+    """JAX computes half precision in its own dtype, attnx in float32."""
+    jnp = jax.numpy
+    (q, k, v), arrays = _arrays(jnp, ((1, 2, 6, 4),) * 3, dtype=dtype)
+    out = attnx.scaled_dot_product_attention(*arrays)
+    assert out.dtype == jnp.dtype(dtype) and jax_native == [False]
+    narrowed = [np.asarray(a.astype(jnp.float32)) for a in arrays]
+    expected = reference.scaled_dot_product_attention(*narrowed)[0]
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_jax_native_declines_on_the_cpu(jax):
+    """On the CPU attnx's own algorithm, jitted, was the faster."""
+    from attnx_backends import jax_backend
+
+    if jax.default_backend() != "cpu":
+        pytest.skip(f"JAX runs on {jax.default_backend()} here")
+    arrays = _arrays(jax.numpy, ((1, 2, 6, 4),) * 3)[1]
+    arguments = dict(mask=None, key_lengths=None, is_causal=False, scale=0.5, return_weights=False)
+    assert (
+        jax_backend._scaled_dot_product_attention(query=arrays[0], key=arrays[1], value=arrays[2], **arguments)
+        is NotImplemented
+    )
 
 
 def test_jax_synchronize_waits_for_queued_work(jax):
