@@ -335,9 +335,10 @@ def test_torch_func_vmap_and_grad(torch):
     assert grad.item() != 0.0 and grad.item() == pytest.approx(leaf.grad.item(), rel=1e-12)
 
 
-def test_nothing_is_compiling_where_pytorch_is_not_loaded():
-    """``_tracing.compiling`` looks PyTorch up, never imports it; a NumPy user's
-    calls keep their plans (a compiled graph's don't), and stay torch-free."""
+def test_a_numpy_user_s_process_imports_neither_pytorch_nor_jax():
+    """``_tracing.compiling`` looks PyTorch up, and the JAX backend's ``owns``
+    JAX, never importing them: a NumPy user's arrays have one owner, and
+    their calls keep their plans (a compiled graph's don't)."""
     script = textwrap.dedent(
         """
         import sys
@@ -348,7 +349,9 @@ def test_nothing_is_compiling_where_pytorch_is_not_loaded():
         q = np.ones((1, 2, 4, 3), np.float32)
         for _ in range(3):  # the first meets NumPy's type, the second plans, the third runs the plan
             attnx.scaled_dot_product_attention(q, q, q)
-        assert not _tracing.compiling() and "torch" not in sys.modules, sorted(sys.modules)
+        assert not _tracing.compiling()
+        assert "torch" not in sys.modules and "jax" not in sys.modules, sorted(sys.modules)
+        assert [backend.name for backend in registry.owners_of(q)] == ["numpy"]
         assert len(registry._plans) == 1, registry._plans
         print("ok")
         """
