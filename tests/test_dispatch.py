@@ -112,6 +112,17 @@ def test_asarray_and_to_numpy_round_trip():
         attnx.asarray([1.0], "numpy")
 
 
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_to_numpy_gives_float32_for_bfloat16(backend):
+    """NumPy has no bfloat16: the values come back in float32, which holds them exactly."""
+    pytest.importorskip(backend)
+    values = [0.5, -3.0, 1.0 + 2.0**-7]  # each exact in bfloat16's 8 significant bits
+    made = attnx.asarray(np.asarray(values, np.float32), backend=backend, dtype="bfloat16")
+    back = attnx.to_numpy(made)
+    assert type(back) is np.ndarray and back.dtype == np.float32
+    np.testing.assert_array_equal(back, values)
+
+
 def test_device_names_become_the_library_s_devices():
     class Device:
         def __init__(self, name):
