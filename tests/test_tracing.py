@@ -455,9 +455,10 @@ def test_jax_native_computes_attnx_s_function_where_it_routes(
     )
     assert jax_native == [True] * 4  # each call above, vmap's too, ran the native
 
-    def loss(attend):
-        return lambda q, k, v: (attend(query=q, key=k, value=v) ** 2).sum()
+    def loss(attention):
+        return lambda q, k, v: (attention(query=q, key=k, value=v) ** 2).sum()
 
+    # scale 0.5: attnx's default, 1 / sqrt(d_k) with d_k = 4
     arguments = dict(mask=None, key_lengths=None, is_causal=is_causal, scale=0.5, return_weights=False)
     gradients = jax.grad(loss(functools.partial(attnx.scaled_dot_product_attention, is_causal=is_causal)), (0, 1, 2))
     generic = jax.grad(loss(functools.partial(sdpa_generic, jnp, **arguments)), (0, 1, 2))
