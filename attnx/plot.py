@@ -22,7 +22,8 @@ def attention_heatmap(
 ) -> Any:
     """Draw ``weights (n, m)`` (any backend's array) as a heatmap.
 
-    Rows are queries, columns keys; ``queries``/``keys`` label them.
+    Rows are queries, columns keys; ``queries``/``keys`` label them.  Without
+    ``ax``, a new figure gives each weight 0.4 inch and the labels an inch.
     Returns the matplotlib ``Axes``.
     """
     plt = _pyplot("attention_heatmap")
@@ -58,7 +59,8 @@ def attention_heatmap(
 def block_mask(mask: Any, *, batch: int = 0, head: int = 0, ax: Any = None, title: str | None = None) -> Any:
     """Draw a :class:`attnx.BlockMask`'s blocks for one batch entry and head:
     empty blocks (skipped) white, partial blocks (masked) light, full
-    blocks dark, each drawn at its place and size in the scores.
+    blocks dark, each drawn at its place and size in the scores.  Without
+    ``ax``, a new figure 6 inches wide, as tall as the scores' shape makes it.
     Returns the matplotlib ``Axes``."""
     from attnx.conversion import to_numpy
     from attnx.flex import BlockMask

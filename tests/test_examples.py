@@ -129,6 +129,38 @@ def test_heatmap_labels_one_per_row_and_column(labels, words):
         attnx.plot.attention_heatmap(np.ones((3, 4)), **labels)
 
 
+def test_attention_heatmap_draws_the_weights_as_given():
+    """Any backend's weights, drawn from 0 with their labels, title and colour
+    bar, on a new figure sized by the weights or on the user's axes."""
+    import matplotlib
+    import torch
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    weights = np.random.default_rng(0).random((3, 5)).astype(np.float32)
+    ax = attnx.plot.attention_heatmap(
+        torch.from_numpy(weights), queries=["q0", "q1", "q2"], keys=list("abcde"), title="one head"
+    )
+    image = ax.get_images()[0]
+    np.testing.assert_array_equal(image.get_array(), weights)
+    assert image.get_clim()[0] == 0.0 and image.get_cmap().name == "viridis"
+    assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_title()) == ("keys", "queries", "one head")
+    assert [label.get_text() for label in ax.get_xticklabels()] == list("abcde")
+    assert [label.get_text() for label in ax.get_yticklabels()] == ["q0", "q1", "q2"]
+    assert len(ax.figure.axes) == 2  # the weights and their colour bar
+    np.testing.assert_allclose(ax.figure.get_size_inches(), (1 + 0.4 * 5, 1 + 0.4 * 3))
+    plt.close(ax.figure)
+    figure, given = plt.subplots()
+    assert attnx.plot.attention_heatmap(weights, ax=given, colorbar=False, cmap="magma") is given
+    assert figure.axes == [given] and given.get_images()[0].get_cmap().name == "magma"
+    plt.close(figure)
+    with pytest.raises(ValueError, match=r"weights must have shape \(n, m\), got \(1, 3, 5\)"):
+        attnx.plot.attention_heatmap(weights[None])
+    with pytest.raises(TypeError):  # labels are keywords: a positional list would be taken for another option
+        attnx.plot.attention_heatmap(weights, ["q0", "q1", "q2"])
+
+
 def test_attention_heatmap_without_matplotlib_says_how_to_install_it():
     code = (
         "import sys; sys.modules['matplotlib'] = None; sys.modules['matplotlib.pyplot'] = None\n"

@@ -82,6 +82,41 @@ def test_a_block_mask_is_drawn_block_by_block():
         attnx.plot.block_mask(block_mask, head=1.0)
 
 
+def test_a_block_mask_is_drawn_for_the_batch_entry_and_head_asked():
+    """Blocks kept once for every batch entry or head (a mask_mod that reads
+    neither) are drawn for any of them; blocks that differ, for the one asked."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shared = attnx.create_block_mask(mods.sliding_window(3), 2, 2, 10, 16, block_size=4)
+    assert shared.kinds.shape[:2] == (1, 1)
+    ax = attnx.plot.block_mask(shared, batch=1, head=1)
+    np.testing.assert_array_equal(ax.get_images()[0].get_array(), shared.kinds[0, 0])
+    np.testing.assert_allclose(ax.figure.get_size_inches(), (6, 6 * 10 / 16))
+    plt.close(ax.figure)
+
+    def by_entry_or_head(b, h, q, kv):
+        return (q >= kv) & (kv < 4 + 4 * b + 4 * h)
+
+    per_entry = attnx.create_block_mask(by_entry_or_head, 2, None, 8, 8, block_size=4)
+    per_head = attnx.create_block_mask(by_entry_or_head, None, 2, 8, 8, block_size=4)
+    assert per_entry.kinds.shape[:2] == (2, 1) and per_head.kinds.shape[:2] == (1, 2)
+    for index in (0, 1):
+        for ax, kinds in (
+            (attnx.plot.block_mask(per_entry, batch=index), per_entry.kinds[index, 0]),
+            (attnx.plot.block_mask(per_head, head=index), per_head.kinds[0, index]),
+        ):
+            np.testing.assert_array_equal(ax.get_images()[0].get_array(), kinds)
+            plt.close(ax.figure)
+    assert not np.array_equal(per_entry.kinds[0], per_entry.kinds[1])  # the drawings differ
+    with pytest.raises(ValueError, match=r"head must lie in \[0, 1\), got 1"):
+        attnx.plot.block_mask(per_entry, head=1)  # no heads: one for all
+    unbatched = attnx.create_block_mask(mods.sliding_window(3), None, None, 10, 12)
+    with pytest.raises(ValueError, match=r"batch must lie in \[0, 1\), got 1"):
+        attnx.plot.block_mask(unbatched, batch=1)
+
+
 def test_rows_of_blocks_join_into_steps_while_the_block_holds_them():
     """One head of 2048 queries in blocks of 128 under a sliding window: a
     row of blocks holds 128 x 256 scores, far below a block (4 MiB shared by
