@@ -41,6 +41,15 @@ def _inputs(batch=2, heads=3, n=6, m=6, d=4, seed=0):
     return q, k, v, lengths, allowed
 
 
+def _prints_ok(script, **environment):
+    """Run ``script`` in a fresh interpreter (with ``environment`` added to
+    this one's), which must end well and print "ok"."""
+    done = subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, **environment}, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 # -- JAX ------------------------------------------------------------------
 
 
@@ -222,9 +231,7 @@ def test_jit_on_a_host_with_two_devices(jax):
         print("ok")
         """
     )
-    environment = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    _prints_ok(script, XLA_FLAGS="--xla_force_host_platform_device_count=2")
 
 
 # -- PyTorch --------------------------------------------------------------
@@ -356,8 +363,7 @@ def test_a_numpy_user_s_process_imports_neither_pytorch_nor_jax():
         print("ok")
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    _prints_ok(script)
 
 
 def test_trace_time_mark_is_torchs_own(torch):
