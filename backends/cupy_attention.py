@@ -42,6 +42,8 @@ from typing import Any
 from attnx import blocks, get_memory_budget, natives
 from attnx.natives import MIN_ROWS
 
+from . import cupy_flash
+
 #: Causal calls are cut into blocks of rows (each of at least MIN_ROWS
 #: rows) that compute the keys up to their last row's diagonal: with 4
 #: blocks, 5/8 of the square's scores.  Each block is a round of some ten
@@ -226,13 +228,8 @@ def attend(
     n, m, d_v = query.shape[-2], key.shape[-2], value.shape[-1]
     slices = math.prod(batch_shape)
     dtype, device = query.dtype, query.device
-
-    def as_slices(array: Any) -> Any:
-        if tuple(array.shape[:-2]) != batch_shape:  # a view where it is not, a copy after
-            array = xp.broadcast_to(array, (*batch_shape, *array.shape[-2:]))
-        return xp.reshape(array, (slices, *array.shape[-2:]))
-
-    q, k, v = as_slices(query) * scale, as_slices(key), as_slices(value)
+    q, k, v = (_as_slices(xp, array, batch_shape) for array in (query, key, value))
+    q = q * scale
     key_t = xp.matrix_transpose(k)
     limits = _row_limits(xp, key_lengths, is_causal, batch_shape, n, m, device)
     itemsize = 4 if dtype == xp.float32 else 8
@@ -284,6 +281,46 @@ def attend(
                 return xp.reshape(result, (*batch_shape, n, d_v))
             output[s0:s1, r0:r1, :] = result
     return xp.reshape(output, (*batch_shape, n, d_v))
+
+
+#: The fused kernel: ``(plan, query, key, value, limits, scale) -> output``
+#: on ``(slices, n, d)`` arrays (:func:`cupy_flash.attend`).
+FusedKernel = Callable[[Any, Any, Any, Any, Any, float], Any]
+
+
+def attend_fused(
+    xp: Any,
+    kernel: FusedKernel,
+    flash: Any,
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: Any,
+    batch_shape: tuple[int, ...],
+) -> Any:
+    """Scaled dot-product attention without a ``mask`` in one launch of the
+    fused ``kernel`` (:mod:`cupy_flash`, whose ``flash`` plan it is): the
+    inputs as C-ordered slices, the causal rule and ``key_lengths`` as each
+    query's keys.  A ``scale`` that is an array multiplies the queries
+    first; a float goes to the kernel."""
+    n, m = query.shape[-2], key.shape[-2]
+    q, k, v = (_as_slices(xp, array, batch_shape) for array in (query, key, value))
+    if not isinstance(scale, float):
+        q, scale = q * scale, 1.0
+    limits = _row_limits(xp, key_lengths, is_causal, batch_shape, n, m, query.device)
+    output = kernel(flash, q, k, v, limits, scale)
+    return xp.reshape(output, (*batch_shape, n, value.shape[-1]))
+
+
+def _as_slices(xp: Any, array: Any, batch_shape: tuple[int, ...]) -> Any:
+    """``array`` ``(..., rows, features)`` as ``(slices, rows, features)``,
+    broadcast over ``batch_shape`` (a view where it can be, a copy after)."""
+    if tuple(array.shape[:-2]) != batch_shape:
+        array = xp.broadcast_to(array, (*batch_shape, *array.shape[-2:]))
+    return xp.reshape(array, (math.prod(batch_shape), *array.shape[-2:]))
 
 
 def _mask_slices(xp: Any, mask: Any, batch_shape: tuple[int, ...], device: Any) -> Any:
@@ -366,7 +403,9 @@ def scaled_dot_product_attention(
 ) -> Any:
     """attnx's native entry point (see :meth:`attnx.Backend.implementations`);
     ``backend`` is bound by it.  Declines the weights and calls with no
-    query, key or feature."""
+    query, key or feature.  A call without a ``mask`` or a ``chunk_size``
+    goes to the fused kernel (:mod:`cupy_flash`) where its plan takes it;
+    the rest to :func:`attend`'s blocks."""
     import array_api_compat.cupy as xp
 
     n, m = query.shape[-2], key.shape[-2]
@@ -381,19 +420,37 @@ def scaled_dot_product_attention(
         query, key, value = (xp.astype(a, compute) for a in (query, key, value))
     if not isinstance(scale, float):  # a 0-d array, in the inputs' dtype
         scale = xp.astype(scale, query.dtype)
+    flash = None
+    if mask is None and chunk_size is None:  # a chunk_size asks for attend's blocks
+        d_k, d_v, slices = query.shape[-1], value.shape[-1], math.prod(batch_shape)
+        flash = cupy_flash.flash_plan(query.dtype, d_k, d_v, n, m, slices, query.device)
     with query.device:
-        output = attend(
-            xp,
-            cupy_row_softmax,
-            query=query,
-            key=key,
-            value=value,
-            mask=mask,
-            key_lengths=key_lengths,
-            is_causal=is_causal,
-            scale=scale,
-            batch_shape=batch_shape,
-            budget=get_memory_budget(backend, query.device),
-            chunks=chunks if chunk_size is not None else None,
-        )
+        if flash is not None:
+            output = attend_fused(
+                xp,
+                cupy_flash.attend,
+                flash,
+                query=query,
+                key=key,
+                value=value,
+                key_lengths=key_lengths,
+                is_causal=is_causal,
+                scale=scale,
+                batch_shape=batch_shape,
+            )
+        else:
+            output = attend(
+                xp,
+                cupy_row_softmax,
+                query=query,
+                key=key,
+                value=value,
+                mask=mask,
+                key_lengths=key_lengths,
+                is_causal=is_causal,
+                scale=scale,
+                batch_shape=batch_shape,
+                budget=get_memory_budget(backend, query.device),
+                chunks=chunks if chunk_size is not None else None,
+            )
     return output if output.dtype == dtype else xp.astype(output, dtype)

@@ -1,7 +1,7 @@
 """The GPU items of ``bench/RESULTS.md`` ("For the next lent GPU"), timed in
 one process against baselines measured in the same run.
 
-    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs] [masks] [host_profile]   # on a machine with CUDA, CuPy and PyTorch
+    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs] [masks] [host_profile] [flash]   # on a machine with CUDA, CuPy and PyTorch
 
 Each row is :func:`attnx.benchmark.run_case`, as ``attnx bench`` times it
 (the median of at least 5 synchronised calls and 0.25 s, and the peak
@@ -28,6 +28,9 @@ the plan attnx made before the change measured:
 - the native with masks that have a leading axis per slice (``masks``),
   against the generic algorithm and PyTorch's SDPA given the same mask;
   where its host time goes at n = 512 (``host_profile``, cProfile).
+- the fused kernel (``flash``): its outputs against the generic
+  algorithm's, its time against attend's blocks and PyTorch's SDPA, and its
+  blocks' rows and tiles' keys.
 
 The window's anchor is PyTorch's compiled FlexAttention, in the same run.
 Dask arrays of CuPy chunks are checked by ``tests/test_dask_cupy.py``.
@@ -393,6 +396,172 @@ def native() -> None:
     ratio(row("cupy native float16 8192", Case("attnx:cupy", **shape)), anchor)
 
 
+@contextlib.contextmanager
+def flash_choices(rows: tuple[int, ...] | None = None, keys: tuple[int, ...] | None = None) -> Any:
+    """The fused kernel's choices of block rows and tile keys set for a
+    while; ``rows=()`` sets the kernel aside (attend's blocks instead)."""
+    from attnx_backends import cupy_flash
+
+    saved = cupy_flash.ROW_CHOICES, cupy_flash.KEY_CHOICES
+    cupy_flash.ROW_CHOICES = saved[0] if rows is None else rows
+    cupy_flash.KEY_CHOICES = saved[1] if keys is None else keys
+    try:
+        yield
+    finally:
+        cupy_flash.ROW_CHOICES, cupy_flash.KEY_CHOICES = saved
+
+
+def flash_outputs() -> None:
+    """The fused kernel's own cases: each call's output against the generic
+    algorithm's, and whether the kernel took it."""
+    import cupy as cp
+
+    from attnx_backends import cupy_flash
+
+    launches = []
+    kernel = cupy_flash.attend
+
+    def counted(flash, *args):
+        launches.append(flash)
+        return kernel(flash, *args)
+
+    gen = cp.random.default_rng(4)
+
+    def normal(*shape, dtype="float32"):
+        return gen.standard_normal(shape, dtype=cp.float32).astype(dtype)
+
+    q, k, v = normal(2, 4, 300, 64), normal(2, 4, 257, 64), normal(2, 4, 257, 64)
+    infinite_key = k.copy()
+    infinite_key[0, 0, 5, 0] = cp.inf
+    minus_infinite_query = q.copy()
+    minus_infinite_query[1, 2, 7, :] = -cp.inf
+    nan_value = v.copy()
+    nan_value[:, :, 200:, :] = cp.nan
+    wide = normal(2, 300, 4, 64)  # (B, n, H, d): its transpose is not C-ordered
+    cases = {
+        "d 128": (normal(2, 4, 300, 128), normal(2, 4, 257, 128), normal(2, 4, 257, 128), {}),
+        "d 128, causal": (normal(2, 4, 300, 128), normal(2, 4, 300, 128), normal(2, 4, 300, 128), {"is_causal": True}),
+        "d_k 40, d_v 24": (normal(3, 5, 77, 40), normal(3, 5, 91, 40), normal(3, 5, 91, 24), {}),
+        "d_k 40, d_v 24, causal n > m": (
+            normal(3, 5, 120, 40),
+            normal(3, 5, 91, 40),
+            normal(3, 5, 91, 24),
+            {"is_causal": True},
+        ),
+        "causal n < m": (normal(2, 4, 100, 64), normal(2, 4, 1000, 64), normal(2, 4, 1000, 64), {"is_causal": True}),
+        "causal n > m": (normal(2, 4, 1000, 64), k, v, {"is_causal": True}),
+        "float64 d 64, causal": (*(normal(2, 4, 300, 64, dtype="float64") for _ in range(3)), {"is_causal": True}),
+        "float64 d_k 3, d_v 2": (
+            normal(2, 9, 3, dtype="float64"),
+            normal(2, 11, 3, dtype="float64"),
+            normal(2, 11, 2, dtype="float64"),
+            {},
+        ),
+        "float16, causal": (*(normal(2, 4, 300, 64, dtype="float16") for _ in range(3)), {"is_causal": True}),
+        "n 1, m 1": (normal(1, 1, 1, 64), normal(1, 1, 1, 64), normal(1, 1, 1, 64), {}),
+        "key lengths 0 and 100": (q, k, v, {"key_lengths": cp.asarray([0, 100])}),
+        "key lengths per query, causal": (
+            q,
+            normal(2, 4, 300, 64),
+            normal(2, 4, 300, 64),
+            {"is_causal": True, "key_lengths": gen.integers(0, 301, (2, 4, 300))},
+        ),
+        "keys shared by the heads (2, 1, m, d)": (q, k[:, :1], v[:, :1], {}),
+        "transposed query (B, n, H, d) -> (B, H, n, d)": (cp.swapaxes(wide, 1, 2), k, v, {}),
+        "features sliced, q[..., :48] of 64": (q[..., :48], k[..., :48], v, {}),
+        "scale 0.3": (q, k, v, {"scale": 0.3}),
+        "scale a 0-d array": (q, k, v, {"scale": cp.asarray(0.3, dtype=cp.float32)}),
+        "+inf in a key": (q, infinite_key, v, {}),
+        "-inf query row": (minus_infinite_query, k, v, {}),
+        "NaN values past the key lengths": (q, k, nan_value, {"key_lengths": cp.asarray([200, 150])}),
+        "70,000 slices (a grid past 65,535)": (
+            normal(70000, 16, 8),
+            normal(70000, 16, 8),
+            normal(70000, 16, 8),
+            {"is_causal": True},
+        ),
+        "batch and heads (2, 3, 4)": (
+            normal(2, 3, 4, 50, 16),
+            normal(2, 3, 4, 60, 16),
+            normal(2, 3, 4, 60, 16),
+            {"is_causal": True},
+        ),
+    }
+    cupy_flash.attend = counted
+    try:
+        for name, (query, key, value, options) in cases.items():
+            launches.clear()
+            try:
+                got = attnx.scaled_dot_product_attention(query, key, value, **options)
+                fused = list(launches)
+                with generic_on_cupy():
+                    expected = attnx.scaled_dot_product_attention(query, key, value, **options)
+                got64, expected64 = got.astype(cp.float64), expected.astype(cp.float64)
+                both_nan = cp.isnan(got64) & cp.isnan(expected64)
+                nan_mismatch = int((cp.isnan(got64) != cp.isnan(expected64)).sum())
+                finite = cp.isfinite(expected64)
+                size = float(cp.abs(cp.where(finite, expected64, 0)).max()) or 1.0
+                error = float(cp.abs(cp.where(both_nan | ~finite, 0, got64 - expected64)).max()) / size
+                line = {
+                    "row": f"flash against generic: {name}",
+                    "relative_error": error,
+                    "nan_mismatches": nan_mismatch,
+                    "nans": int(both_nan.sum()),
+                    "zeros_rows": int((cp.abs(got64).sum(axis=-1) == 0).sum()),
+                    "fused": [cupy_flash.kernel_name(plan) for plan in fused],
+                }
+            except Exception as exc:  # every case reports
+                line = {"row": f"flash against generic: {name}", "error": repr(exc)}
+            print(json.dumps(line), flush=True)
+    finally:
+        cupy_flash.attend = kernel
+
+
+def flash() -> None:
+    """The fused kernel (``attnx_backends.cupy_flash``): its outputs
+    (:func:`flash_outputs`, then :func:`native_outputs`, whose calls without
+    a mask it now takes), its time against attend's blocks and PyTorch's
+    SDPA in this process, and its blocks' rows and tiles' keys."""
+    from attnx_backends import cupy_flash
+
+    flash_outputs()
+    native_outputs()
+    for batch, size, d in (
+        (1, 512, 64),
+        (1, 2048, 64),
+        (1, 8192, 64),
+        (16, 1024, 64),
+        (1, 2048, 128),
+        (1, 8192, 128),
+        (64, 128, 64),
+    ):
+        for operation in ("sdpa", "sdpa_causal"):
+            shape = dict(operation=operation, batch=batch, heads=8, n=size, head_dim=d, device=CUDA, repeat=10)
+            label = f"{operation} ({batch}, 8, {size}, {d})"
+            plan = cupy_flash.plan("float32", d, d, size, size, batch * 8, 132)
+            anchor = row(f"torch-sdpa {label}", Case("torch-sdpa", **shape))
+            fused = row(f"cupy flash {label} {cupy_flash.kernel_name(plan)}", Case("attnx:cupy", **shape))
+            with flash_choices(rows=()):
+                blocked = row(f"cupy blocks {label}", Case("attnx:cupy", **shape))
+            ratio(fused, anchor)
+            ratio(blocked, anchor)
+            ratio(fused, blocked)
+    for batch, size, operation in ((1, 8192, "sdpa"), (1, 8192, "sdpa_causal"), (16, 1024, "sdpa"), (1, 512, "sdpa")):
+        shape = dict(operation=operation, batch=batch, heads=8, n=size, head_dim=64, device=CUDA, repeat=10)
+        lines = {}
+        for rows in (128, 64, 32):
+            for keys in (32, 16, 8):
+                with flash_choices(rows=(rows,), keys=(keys,)):
+                    plan = cupy_flash.plan("float32", 64, 64, size, size, batch * 8, 132)
+                    if plan is None or (plan.rows, plan.keys) != (rows, keys):
+                        continue
+                    name = f"cupy flash {operation} ({batch}, 8, {size}, 64), {rows} rows, {keys} keys"
+                    lines[rows, keys] = row(name, Case("attnx:cupy", **shape))
+        best = min((line for line in lines.values() if line["median_ms"]), key=lambda line: line["median_ms"])
+        for line in lines.values():
+            ratio(line, best)
+
+
 def synchronized_ms(call: Any, synchronize: Any, repeat: int = 20) -> float:
     """The median of ``repeat`` calls, each waited for (after three
     unmeasured), in ms: host and GPU time together, as ``attnx bench``
@@ -508,6 +677,8 @@ if __name__ == "__main__":
         "native_outputs": native_outputs,
         "masks": masks,
         "host_profile": host_profile,
+        "flash": flash,
+        "flash_outputs": flash_outputs,
     }
     for stage in sys.argv[1:] or ["window", "family"]:  # in the order named: the first is the surest to finish
         try:

@@ -87,6 +87,8 @@ suite() {  # backend, seconds, workers, then any options for it
 SUITES=${SUITES:-torch cupy jax}
 case " $SUITES " in *" torch "*) suite torch 200 4 --device cuda:0 & ;; esac
 case " $SUITES " in *" cupy "*) suite cupy 200 4 --device cuda:0 & ;; esac
+# Dask arrays of CuPy chunks (its wheels in .whl/, as the checks' are).
+case " $SUITES " in *" dask "*) suite dask 200 4 --device cupy & ;; esac
 # JAX's default device is the GPU where its CUDA plugin is installed.
 case " $SUITES " in *" jax "*) suite jax "${JAX_SECONDS:-240}" 7 & ;; esac
 wait

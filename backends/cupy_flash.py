@@ -1,0 +1,292 @@
+"""The CuPy backend's fused attention: one kernel, the scores never written.
+
+:mod:`cupy_attention` computes a block of scores with a matrix product,
+turns them into exponentials in place (its row softmax kernel) and
+multiplies them by the values: each step a pass over the scores in GPU
+memory, and some ten launches a block.  At (1, 8, 8192, 64) on an H200
+that is 1.42x PyTorch's SDPA, and at n = 512, where the call waits on its
+launches, 3.9x (bench/RESULTS.md, sixth GPU run).
+
+Here one launch computes the whole call, FlashAttention's way on the
+GPU's float units: a block of threads holds :data:`FlashPlan.rows`
+queries (a thread each, its running maximum, sum and output in
+registers) and walks the keys in tiles of :data:`FlashPlan.keys`, each
+tile and its values loaded once into shared memory for all the block's
+queries.  Each tile's scores live in registers: the tile's maximum
+rescales what the thread has summed so far (the online softmax), its
+exponentials are added to the sum and multiply the tile's values.  The
+causal rule and ``key_lengths`` arrive as one number per query, the keys
+it attends (:func:`attnx.natives.key_counts`): a block stops at the
+furthest key any of its queries attends, so a causal call computes about
+half the scores, and the blocks with the most keys start first.
+
+The kernel takes no ``mask`` (a mask that need not keep a prefix of each
+row goes to :mod:`cupy_attention`), and inputs whose features fit its
+registers (:func:`plan`).  A row with no key to attend gets zeros, as
+attnx's algorithm gives; a NaN score propagates to its row, as there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+#: The kernel, written once for ``T`` (float or double) and the sizes of
+#: :func:`kernel_source`: ``D``/``DV`` the query's and value's features,
+#: ``DP``/``DVP`` those padded to whole vectors ``V`` of ``VEC`` numbers
+#: (16 bytes: shared memory serves a vector a load), ``ROWS`` the block's
+#: queries (its threads) and ``KEYS`` a tile's keys.  Each block is one
+#: slice's ``ROWS`` queries; ``limits`` (one int a query, where
+#: ``has_limits``) are the keys each may attend.
+FLASH_SOURCE = r"""
+__device__ __forceinline__ T nan_max(T a, T b) { return (a != a || a > b) ? a : b; }
+__device__ __forceinline__ T part(const V& v, int c) { return reinterpret_cast<const T*>(&v)[c]; }
+
+extern "C" __global__ void __launch_bounds__(ROWS) KERNEL_NAME(
+        const T* __restrict__ query, const T* __restrict__ key, const T* __restrict__ value,
+        T* __restrict__ output, const int* __restrict__ limits, const int has_limits,
+        const int n, const int m, const int row_blocks, const T scale) {
+    // A row of queries is padded by one vector, so that the threads' loads of
+    // their own rows fall in different banks.
+    __shared__ __align__(16) T queries[ROWS][DP + VEC];
+    __shared__ __align__(16) T keys[KEYS][DP];
+    __shared__ __align__(16) T values[KEYS][DVP];
+    __shared__ int block_stop;
+    const T minus_infinity = MINUS_INFINITY;
+    const int t = threadIdx.x;
+    const long long slice = blockIdx.x / row_blocks;
+    // The blocks of a slice's last queries first: under the causal rule they have the most keys.
+    const int first_row = (row_blocks - 1 - (int)(blockIdx.x % row_blocks)) * ROWS;
+    const int row = first_row + t;
+    const T* q = query + (slice * n + first_row) * D;
+    const T* k = key + slice * m * D;
+    const T* v = value + slice * m * DV;
+
+    for (int i = t; i < ROWS * DP; i += ROWS) {
+        const int r = i / DP, e = i % DP;
+        queries[r][e] = (first_row + r < n && e < D) ? q[(long long)r * D + e] * scale : (T)0;
+    }
+    int limit = m;
+    if (has_limits) {
+        limit = row < n ? limits[slice * n + row] : 0;
+        limit = limit < 0 ? 0 : (limit > m ? m : limit);
+    }
+    if (t == 0) block_stop = 0;
+    __syncthreads();
+    if (row < n) atomicMax(&block_stop, limit);
+    __syncthreads();
+    const int stop = block_stop;
+
+    T most = minus_infinity, total = 0;
+    T out[DVP];
+#pragma unroll
+    for (int e = 0; e < DVP; ++e) out[e] = 0;
+
+    for (int first_key = 0; first_key < stop; first_key += KEYS) {
+        __syncthreads();  // the last tile's reads are done
+        for (int i = t; i < KEYS * DP; i += ROWS) {
+            const int j = i / DP, e = i % DP;
+            keys[j][e] = (first_key + j < m && e < D) ? k[(long long)(first_key + j) * D + e] : (T)0;
+        }
+        for (int i = t; i < KEYS * DVP; i += ROWS) {
+            const int j = i / DVP, e = i % DVP;
+            values[j][e] = (first_key + j < m && e < DV) ? v[(long long)(first_key + j) * DV + e] : (T)0;
+        }
+        __syncthreads();
+
+        T scores[KEYS];
+#pragma unroll
+        for (int j = 0; j < KEYS; ++j) scores[j] = 0;
+#pragma unroll
+        for (int e = 0; e < DP; e += VEC) {
+            const V qv = *reinterpret_cast<const V*>(&queries[t][e]);
+#pragma unroll
+            for (int j = 0; j < KEYS; ++j) {
+                const V kv = *reinterpret_cast<const V*>(&keys[j][e]);
+#pragma unroll
+                for (int c = 0; c < VEC; ++c) scores[j] += part(qv, c) * part(kv, c);
+            }
+        }
+        T tile_most = most;
+#pragma unroll
+        for (int j = 0; j < KEYS; ++j)
+            if (first_key + j < limit) tile_most = nan_max(tile_most, scores[j]);
+        // With no finite score yet, shift by 0: exp(-inf - 0) weighs 0 where exp(-inf + inf) is NaN.
+        const T shift = tile_most == minus_infinity ? (T)0 : tile_most;
+        const T correction = EXP(most - shift);
+        total *= correction;
+#pragma unroll
+        for (int e = 0; e < DVP; ++e) out[e] *= correction;
+#pragma unroll
+        for (int j = 0; j < KEYS; ++j) {
+            const T weight = first_key + j < limit ? EXP(scores[j] - shift) : (T)0;
+            total += weight;
+#pragma unroll
+            for (int e = 0; e < DVP; e += VEC) {
+                const V vv = *reinterpret_cast<const V*>(&values[j][e]);
+#pragma unroll
+                for (int c = 0; c < VEC; ++c) out[e + c] += weight * part(vv, c);
+            }
+        }
+        most = tile_most;
+    }
+    if (row < n) {
+        // A row with no key (its sum 0) gets its zeros divided by 1.
+        const T divisor = total == 0 ? (T)1 : total;
+        T* o = output + (slice * n + row) * DV;
+#pragma unroll
+        for (int e = 0; e < DV; ++e) o[e] = out[e] / divisor;
+    }
+}
+"""
+
+#: Per dtype: the C type, its vector of 16 bytes, its exponential and -inf
+#: (NVRTC defines no INFINITY).
+_TYPES = {
+    "float32": ("float", "float4", "expf", "__int_as_float(0xff800000)"),
+    "float64": ("double", "double2", "exp", "__longlong_as_double(0xfff0000000000000LL)"),
+}
+#: What a block may hold in shared memory without asking for more (CUDA's
+#: static limit, less the block's stopping key).
+SHARED_BYTES = 48 * 1024 - 16
+#: What a thread's running output and a tile's scores may take in
+#: registers: at 576 bytes ptxas (CUDA 13, sm_90) spills none of the 255 a
+#: thread has; float64 with 64 features and tiles of 16 keys (640 bytes)
+#: spills.
+REGISTER_BYTES = 576
+#: A tile's keys, largest first: the first whose scores fit REGISTER_BYTES.
+KEY_CHOICES = (32, 16, 8)
+#: The queries a block may hold, largest first: the first that the shared
+#: memory holds, that leaves less than a warp of its threads without a
+#: query, and whose blocks fill every multiprocessor twice (a small call in
+#: large blocks would leave most of the GPU idle).
+ROW_CHOICES = (128, 64, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashPlan:
+    """A launch of the kernel: ``rows`` queries a block, ``keys`` a tile,
+    the features padded to whole vectors."""
+
+    dtype_name: str
+    d_k: int
+    d_v: int
+    rows: int
+    keys: int
+
+    @property
+    def vector(self) -> int:
+        return 16 // _ITEMSIZE[self.dtype_name]
+
+
+_ITEMSIZE = {"float32": 4, "float64": 8}
+
+
+def _padded(size: int, vector: int) -> int:
+    return -(-size // vector) * vector
+
+
+def plan(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int, multiprocessors: int) -> FlashPlan | None:
+    """The kernel's blocks for a call, or None where it can't take it (a
+    dtype other than float32 or float64, features past its registers,
+    positions past its int32 or a grid past CUDA's).
+
+    Keys come in tiles of :data:`KEY_CHOICES`, the most that a thread's
+    output and the tile's scores fit in :data:`REGISTER_BYTES`: 32 for
+    float32 with 64 features, 16 with 128, 8 with 136 (the most taken); 8
+    for float64 with 64 (the most).  Queries come in blocks of :data:`ROW_CHOICES`."""
+    itemsize = _ITEMSIZE.get(dtype_name)
+    if itemsize is None or max(n, m) >= 2**31 or slices * -(-n // ROW_CHOICES[-1]) >= 2**31:
+        return None
+    vector = 16 // itemsize
+    padded_k, padded_v = _padded(d_k, vector), _padded(d_v, vector)
+    keys = next((keys for keys in KEY_CHOICES if (max(padded_k, padded_v) + keys) * itemsize <= REGISTER_BYTES), None)
+    if keys is None:
+        return None
+    fitting = [
+        rows
+        for rows in ROW_CHOICES
+        if (rows * (padded_k + vector) + keys * (padded_k + padded_v)) * itemsize <= SHARED_BYTES
+    ]
+    useful = [rows for rows in fitting if rows - n < 32] or fitting[-1:]  # less than a warp idle
+    if not useful:
+        return None
+    filling = [rows for rows in useful if -(-n // rows) * slices >= 2 * multiprocessors]
+    return FlashPlan(dtype_name, d_k, d_v, (filling or useful[-1:])[0], keys)
+
+
+def kernel_source(flash: FlashPlan) -> str:
+    """The kernel's CUDA source for one plan."""
+    c_type, vector_type, exponential, minus_infinity = _TYPES[flash.dtype_name]
+    sizes = {
+        "D": flash.d_k,
+        "DV": flash.d_v,
+        "VEC": flash.vector,
+        "DP": _padded(flash.d_k, flash.vector),
+        "DVP": _padded(flash.d_v, flash.vector),
+        "ROWS": flash.rows,
+        "KEYS": flash.keys,
+    }
+    header = f"typedef {c_type} T;\ntypedef {vector_type} V;\n#define EXP {exponential}\n"
+    header += f"#define MINUS_INFINITY {minus_infinity}\n"
+    header += "".join(f"#define {name} {size}\n" for name, size in sizes.items())
+    return header + FLASH_SOURCE.replace("KERNEL_NAME", kernel_name(flash))
+
+
+def kernel_name(flash: FlashPlan) -> str:
+    return f"flash_{flash.dtype_name}_{flash.d_k}_{flash.d_v}_{flash.rows}_{flash.keys}"
+
+
+@functools.cache
+def _kernel(flash: FlashPlan) -> Any:
+    import cupy
+
+    return cupy.RawKernel(kernel_source(flash), kernel_name(flash))
+
+
+@functools.cache
+def _multiprocessors(device_id: int) -> int:
+    import cupy
+
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
+def flash_plan(dtype: Any, d_k: int, d_v: int, n: int, m: int, slices: int, device: Any) -> FlashPlan | None:
+    """:func:`plan` for a call on the CuPy ``device``."""
+    return plan(dtype.name, d_k, d_v, n, m, slices, _multiprocessors(device.id))
+
+
+def attend(flash: FlashPlan, query: Any, key: Any, value: Any, limits: Any, scale: float) -> Any:
+    """The attention of CuPy arrays ``(slices, n, d_k)``, ``(slices, m,
+    d_k)`` and ``(slices, m, d_v)`` (C-ordered, in ``flash``'s dtype), each
+    query's scores ``scale`` times its dot products, ``limits``
+    ``(slices, n)`` the keys each attends (or None for every key):
+    ``(slices, n, d_v)``, one launch.  Inputs laid out otherwise are
+    copied."""
+    import cupy
+
+    query, key, value = (cupy.ascontiguousarray(array) for array in (query, key, value))
+    slices, n = query.shape[0], query.shape[1]
+    m = key.shape[1]
+    output = cupy.empty((slices, n, flash.d_v), dtype=query.dtype)
+    has_limits = limits is not None
+    limits = output if limits is None else cupy.ascontiguousarray(limits, dtype=cupy.int32)
+    row_blocks = -(-n // flash.rows)
+    _kernel(flash)(
+        (slices * row_blocks,),
+        (flash.rows,),
+        (
+            query,
+            key,
+            value,
+            output,
+            limits,
+            cupy.int32(has_limits),
+            cupy.int32(n),
+            cupy.int32(m),
+            cupy.int32(row_blocks),
+            query.dtype.type(scale),
+        ),
+    )
+    return output
