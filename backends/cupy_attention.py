@@ -63,6 +63,18 @@ CAUSAL_BLOCKS = ((2**29, 4), (2**27, 2))
 #: 256, 0.62-0.64 with 128 or 1,024.
 SCORES_PER_THREAD = 8
 MAX_THREADS = 512
+#: Where the fused kernel (:mod:`cupy_flash`) takes a call without a mask
+#: (:func:`prefers_fused`).  On an H200, float32, d = 64, its time over
+#: attend's blocks' (bench/RESULTS.md, eighth GPU run): up to 2**16 scores
+#: a slice, 0.52x-0.70x ((1, 8, 128), (1, 8, 256), (4, 8, 256)), and
+#: 0.93x-1.01x at (64, 8, 128); from 2**18 at the default budget, 0.87x-1.94x
+#: ((1, 1, 512) 0.87x, (1, 8, 512) 1.09x-1.26x, (1, 2, 1024) 1.23x-1.55x,
+#: (1, 8, 2048) 1.7x-1.9x, (1, 8, 8192) 1.19x-1.31x; and 2.9x-3.2x at d =
+#: 128).  Under budgets that cut a call into 8 blocks or more: 0.009x-0.88x
+#: (one tie, 1.00x, at 32 blocks of (1, 8, 8192)): each block is a round of
+#: some ten launches, and a small budget makes many.
+FUSED_SCORES = 2**16
+FUSED_ROUNDS = 8
 #: Keys a block holds at least, where the budget can't hold whole rows (the
 #: generic algorithm's floor, below which the products lose their efficiency).
 MIN_KEYS = 512
@@ -283,6 +295,18 @@ def attend(
     return xp.reshape(output, (*batch_shape, n, d_v))
 
 
+def prefers_fused(slices: int, n: int, m: int, itemsize: int, is_causal: bool, budget: int) -> bool:
+    """Whether a call without a mask is faster in the fused kernel than in
+    :func:`attend`'s blocks: a small call (:data:`FUSED_SCORES` scores a
+    slice at most), whose blocks' launches outweigh their work, or one that
+    the memory ``budget`` cuts into :data:`FUSED_ROUNDS` blocks or more (the
+    fused kernel holds no scores whatever the budget)."""
+    if n * m <= FUSED_SCORES:
+        return True
+    per_block, rows, key_chunk = plan(slices, n, m, itemsize, is_causal, budget, None)
+    return -(-slices // per_block) * -(-n // rows) * -(-m // key_chunk) >= FUSED_ROUNDS
+
+
 #: The fused kernel: ``(plan, query, key, value, limits, scale) -> output``
 #: on ``(slices, n, d)`` arrays (:func:`cupy_flash.attend`).
 FusedKernel = Callable[[Any, Any, Any, Any, Any, float], Any]
@@ -420,10 +444,11 @@ def scaled_dot_product_attention(
         query, key, value = (xp.astype(a, compute) for a in (query, key, value))
     if not isinstance(scale, float):  # a 0-d array, in the inputs' dtype
         scale = xp.astype(scale, query.dtype)
+    slices, budget = math.prod(batch_shape), get_memory_budget(backend, query.device)
     flash = None
-    if mask is None and chunk_size is None:  # a chunk_size asks for attend's blocks
-        d_k, d_v, slices = query.shape[-1], value.shape[-1], math.prod(batch_shape)
-        flash = cupy_flash.flash_plan(query.dtype, d_k, d_v, n, m, slices, query.device)
+    # A mask goes to attend's blocks, and so does a chunk_size, which asks for them.
+    if mask is None and chunk_size is None and prefers_fused(slices, n, m, query.dtype.itemsize, is_causal, budget):
+        flash = cupy_flash.plan(query.dtype.name, query.shape[-1], value.shape[-1], n, m, slices)
     with query.device:
         if flash is not None:
             output = attend_fused(
@@ -450,7 +475,7 @@ def scaled_dot_product_attention(
                 is_causal=is_causal,
                 scale=scale,
                 batch_shape=batch_shape,
-                budget=get_memory_budget(backend, query.device),
+                budget=budget,
                 chunks=chunks if chunk_size is not None else None,
             )
     return output if output.dtype == dtype else xp.astype(output, dtype)

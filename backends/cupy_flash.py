@@ -156,11 +156,18 @@ SHARED_BYTES = 48 * 1024 - 16
 #: spills.
 REGISTER_BYTES = 576
 #: A tile's keys, largest first: the first whose scores fit REGISTER_BYTES.
-KEY_CHOICES = (32, 16, 8)
+#: On an H200, float32, d = 64, blocks of 128 queries, tiles of 8 keys
+#: against 16 (bench/RESULTS.md, eighth GPU run): (1, 8, 8192, 64) 7.29 ms
+#: against 8.52, (16, 8, 1024, 64) 1.73 against 1.80, (1, 8, 512, 64) 0.226
+#: against 0.246; causal (1, 8, 8192, 64) 4.66 against 4.38.  Fewer
+#: registers a thread, more threads a multiprocessor.
+KEY_CHOICES = (8,)
 #: The queries a block may hold, largest first: the first that the shared
-#: memory holds, that leaves less than a warp of its threads without a
-#: query, and whose blocks fill every multiprocessor twice (a small call in
-#: large blocks would leave most of the GPU idle).
+#: memory holds and that leaves less than a warp of its threads without a
+#: query.  Larger blocks read each tile of keys for more queries: 128 rows
+#: took 0.93x the time of 64 and 0.68x-0.76x that of 32 at (1, 8, 8192, 64),
+#: (16, 8, 1024, 64) and (1, 8, 512, 64), even where 32 made four times the
+#: blocks (512 queries: 32 blocks of 128 on 132 multiprocessors).
 ROW_CHOICES = (128, 64, 32)
 
 
@@ -187,17 +194,18 @@ def _padded(size: int, vector: int) -> int:
     return -(-size // vector) * vector
 
 
-def plan(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int, multiprocessors: int) -> FlashPlan | None:
+def plan(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int) -> FlashPlan | None:
     """The kernel's blocks for a call, or None where it can't take it (a
     dtype other than float32 or float64, features past its registers,
     positions past its int32 or a grid past CUDA's).
 
-    Keys come in tiles of :data:`KEY_CHOICES`, the most that a thread's
-    output and the tile's scores fit in :data:`REGISTER_BYTES`: 32 for
-    float32 with 64 features, 16 with 128, 8 with 136 (the most taken); 8
-    for float64 with 64 (the most).  Queries come in blocks of :data:`ROW_CHOICES`."""
+    Keys come in tiles of :data:`KEY_CHOICES` (8), whose scores and a
+    thread's output fit :data:`REGISTER_BYTES` up to 136 features in
+    float32 and 64 in float64; queries in blocks of :data:`ROW_CHOICES`
+    that fit the shared memory with them: 128 up to 80 features in float32
+    and 40 in float64, 64 above (fewer where the call has fewer queries)."""
     itemsize = _ITEMSIZE.get(dtype_name)
-    if itemsize is None or max(n, m) >= 2**31 or slices * -(-n // ROW_CHOICES[-1]) >= 2**31:
+    if itemsize is None or max(n, m) >= 2**31 or slices * -(-n // min(ROW_CHOICES, default=1)) >= 2**31:
         return None
     vector = 16 // itemsize
     padded_k, padded_v = _padded(d_k, vector), _padded(d_v, vector)
@@ -212,8 +220,7 @@ def plan(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int, multi
     useful = [rows for rows in fitting if rows - n < 32] or fitting[-1:]  # less than a warp idle
     if not useful:
         return None
-    filling = [rows for rows in useful if -(-n // rows) * slices >= 2 * multiprocessors]
-    return FlashPlan(dtype_name, d_k, d_v, (filling or useful[-1:])[0], keys)
+    return FlashPlan(dtype_name, d_k, d_v, useful[0], keys)
 
 
 def kernel_source(flash: FlashPlan) -> str:
@@ -243,18 +250,6 @@ def _kernel(flash: FlashPlan) -> Any:
     import cupy
 
     return cupy.RawKernel(kernel_source(flash), kernel_name(flash))
-
-
-@functools.cache
-def _multiprocessors(device_id: int) -> int:
-    import cupy
-
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
-
-
-def flash_plan(dtype: Any, d_k: int, d_v: int, n: int, m: int, slices: int, device: Any) -> FlashPlan | None:
-    """:func:`plan` for a call on the CuPy ``device``."""
-    return plan(dtype.name, d_k, d_v, n, m, slices, _multiprocessors(device.id))
 
 
 def attend(flash: FlashPlan, query: Any, key: Any, value: Any, limits: Any, scale: float) -> Any:

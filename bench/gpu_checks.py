@@ -397,18 +397,22 @@ def native() -> None:
 
 
 @contextlib.contextmanager
-def flash_choices(rows: tuple[int, ...] | None = None, keys: tuple[int, ...] | None = None) -> Any:
-    """The fused kernel's choices of block rows and tile keys set for a
-    while; ``rows=()`` sets the kernel aside (attend's blocks instead)."""
-    from attnx_backends import cupy_flash
+def flash_choices(
+    rows: tuple[int, ...] | None = None, keys: tuple[int, ...] | None = None, *, fused: bool = True
+) -> Any:
+    """Every call without a mask sent to the fused kernel (``fused``), with
+    its choices of block rows and tile keys, or to attend's blocks (not
+    ``fused``), for a while."""
+    from attnx_backends import cupy_attention, cupy_flash
 
-    saved = cupy_flash.ROW_CHOICES, cupy_flash.KEY_CHOICES
-    cupy_flash.ROW_CHOICES = saved[0] if rows is None else rows
+    saved = cupy_flash.ROW_CHOICES, cupy_flash.KEY_CHOICES, cupy_attention.FUSED_SCORES
+    cupy_flash.ROW_CHOICES = () if not fused else saved[0] if rows is None else rows
     cupy_flash.KEY_CHOICES = saved[1] if keys is None else keys
+    cupy_attention.FUSED_SCORES = 2**62  # every call
     try:
         yield
     finally:
-        cupy_flash.ROW_CHOICES, cupy_flash.KEY_CHOICES = saved
+        cupy_flash.ROW_CHOICES, cupy_flash.KEY_CHOICES, cupy_attention.FUSED_SCORES = saved
 
 
 def flash_outputs() -> None:
@@ -492,7 +496,8 @@ def flash_outputs() -> None:
         for name, (query, key, value, options) in cases.items():
             launches.clear()
             try:
-                got = attnx.scaled_dot_product_attention(query, key, value, **options)
+                with flash_choices():  # the kernel, wherever the rule would send the call
+                    got = attnx.scaled_dot_product_attention(query, key, value, **options)
                 fused = list(launches)
                 with generic_on_cupy():
                     expected = attnx.scaled_dot_product_attention(query, key, value, **options)
@@ -517,6 +522,71 @@ def flash_outputs() -> None:
         cupy_flash.attend = kernel
 
 
+def flash_times() -> None:
+    """The fused kernel's time against attend's blocks and PyTorch's SDPA,
+    each in this process."""
+    from attnx_backends import cupy_flash
+
+    for batch, size, d in (
+        (1, 512, 64),
+        (1, 2048, 64),
+        (1, 8192, 64),
+        (16, 1024, 64),
+        (64, 128, 64),
+        (1, 2048, 128),
+        (1, 128, 64),
+    ):
+        for operation in ("sdpa", "sdpa_causal"):
+            shape = dict(operation=operation, batch=batch, heads=8, n=size, head_dim=d, device=CUDA, repeat=10)
+            label = f"{operation} ({batch}, 8, {size}, {d})"
+            plan = cupy_flash.plan("float32", d, d, size, size, batch * 8)
+            anchor = row(f"torch-sdpa {label}", Case("torch-sdpa", **shape))
+            with flash_choices():
+                fused = row(f"cupy flash {label} {cupy_flash.kernel_name(plan)}", Case("attnx:cupy", **shape))
+            with flash_choices(fused=False):
+                blocked = row(f"cupy blocks {label}", Case("attnx:cupy", **shape))
+            ratio(fused, anchor)
+            ratio(blocked, anchor)
+            ratio(fused, blocked)
+
+
+def flash_rule() -> None:
+    """Where the fused kernel beats attend's blocks: small calls (their
+    scores' count), and calls whose blocks the memory budget cuts small
+    (their rounds of launches), each pair in this process."""
+    from attnx_backends import cupy_attention
+
+    cases = [
+        (1, 8, 256, None),
+        (1, 1, 512, None),
+        (4, 8, 256, None),
+        (1, 2, 1024, None),
+        (1, 8, 2048, 16 * MiB),
+        (1, 8, 2048, 4 * MiB),
+        (1, 8, 2048, 1 * MiB),
+        (16, 8, 1024, 64 * MiB),
+        (16, 8, 1024, 16 * MiB),
+        (1, 8, 8192, 64 * MiB),
+        (1, 8, 8192, 16 * MiB),
+        (1, 8, 8192, 1 * MiB),
+    ]
+    for batch, heads, size, budget in cases:
+        for operation in ("sdpa", "sdpa_causal"):
+            shape = dict(operation=operation, batch=batch, heads=heads, n=size, head_dim=64, device=CUDA, repeat=5)
+            per_block, rows, keys = cupy_attention.plan(
+                batch * heads, size, size, 4, operation == "sdpa_causal", budget or GPU_BLOCK_BYTES, None
+            )
+            rounds = -(-batch * heads // per_block) * -(-size // rows) * -(-size // keys)
+            label = (
+                f"{operation} ({batch}, {heads}, {size}, 64), budget {budget and budget // MiB} MiB, {rounds} rounds"
+            )
+            with flash_choices():
+                fused = row(f"cupy flash {label}", Case("attnx:cupy", **shape), budget)
+            with flash_choices(fused=False):
+                blocked = row(f"cupy blocks {label}", Case("attnx:cupy", **shape), budget)
+            ratio(fused, blocked)
+
+
 def flash() -> None:
     """The fused kernel (``attnx_backends.cupy_flash``): its outputs
     (:func:`flash_outputs`, then :func:`native_outputs`, whose calls without
@@ -538,10 +608,11 @@ def flash() -> None:
         for operation in ("sdpa", "sdpa_causal"):
             shape = dict(operation=operation, batch=batch, heads=8, n=size, head_dim=d, device=CUDA, repeat=10)
             label = f"{operation} ({batch}, 8, {size}, {d})"
-            plan = cupy_flash.plan("float32", d, d, size, size, batch * 8, 132)
+            plan = cupy_flash.plan("float32", d, d, size, size, batch * 8)
             anchor = row(f"torch-sdpa {label}", Case("torch-sdpa", **shape))
-            fused = row(f"cupy flash {label} {cupy_flash.kernel_name(plan)}", Case("attnx:cupy", **shape))
-            with flash_choices(rows=()):
+            with flash_choices():
+                fused = row(f"cupy flash {label} {cupy_flash.kernel_name(plan)}", Case("attnx:cupy", **shape))
+            with flash_choices(fused=False):
                 blocked = row(f"cupy blocks {label}", Case("attnx:cupy", **shape))
             ratio(fused, anchor)
             ratio(blocked, anchor)
@@ -552,7 +623,7 @@ def flash() -> None:
         for rows in (128, 64, 32):
             for keys in (32, 16, 8):
                 with flash_choices(rows=(rows,), keys=(keys,)):
-                    plan = cupy_flash.plan("float32", 64, 64, size, size, batch * 8, 132)
+                    plan = cupy_flash.plan("float32", 64, 64, size, size, batch * 8)
                     if plan is None or (plan.rows, plan.keys) != (rows, keys):
                         continue
                     name = f"cupy flash {operation} ({batch}, 8, {size}, 64), {rows} rows, {keys} keys"
@@ -679,6 +750,8 @@ if __name__ == "__main__":
         "host_profile": host_profile,
         "flash": flash,
         "flash_outputs": flash_outputs,
+        "flash_times": flash_times,
+        "flash_rule": flash_rule,
     }
     for stage in sys.argv[1:] or ["window", "family"]:  # in the order named: the first is the surest to finish
         try:

@@ -141,23 +141,44 @@ def test_a_kernel_that_drops_the_limits_fails():
 
 
 @pytest.mark.parametrize(
-    ("dtype_name", "d_k", "d_v", "n", "slices", "rows", "keys"),
+    ("dtype_name", "d_k", "d_v", "n", "rows"),
     [
-        ("float32", 64, 64, 8192, 8, 64, 32),  # 128 rows would pass 48 KiB of shared memory
-        ("float32", 64, 64, 512, 8, 32, 32),  # 16 blocks of 32: as many as there are
-        ("float32", 64, 64, 1024, 128, 64, 32),
-        ("float32", 128, 128, 8192, 8, 32, 16),  # 128 features: tiles of 16 keys
-        ("float32", 40, 24, 16, 70000, 32, 32),  # 16 queries: blocks of one warp
-        ("float32", 1, 1, 100, 1000, 128, 32),  # few features: 128 rows fit, 28 idle
-        ("float32", 136, 136, 8192, 8, 64, 8),  # the most features: tiles of 8 keys
-        ("float64", 64, 64, 8192, 8, 64, 8),
-        ("float64", 32, 32, 8192, 8, 64, 32),
+        ("float32", 64, 64, 8192, 128),
+        ("float32", 64, 64, 512, 128),
+        ("float32", 80, 80, 512, 128),  # the most features that 128 queries' shared memory holds
+        ("float32", 81, 64, 512, 64),
+        ("float32", 128, 128, 8192, 64),
+        ("float32", 136, 136, 8192, 64),  # the most features a thread's registers hold
+        ("float32", 40, 24, 16, 32),  # 16 queries: a warp's block, not 112 threads idle
+        ("float32", 64, 64, 97, 128),  # 97 queries: 31 threads idle
+        ("float32", 64, 64, 96, 64),
+        ("float64", 40, 40, 8192, 128),
+        ("float64", 64, 64, 8192, 64),
+        ("float64", 3, 2, 33, 64),
     ],
 )
-def test_plan(dtype_name, d_k, d_v, n, slices, rows, keys):
-    assert cupy_flash.plan(dtype_name, d_k, d_v, n, n, slices, 132) == cupy_flash.FlashPlan(
-        dtype_name, d_k, d_v, rows, keys
-    )
+def test_plan(dtype_name, d_k, d_v, n, rows):
+    planned = cupy_flash.plan(dtype_name, d_k, d_v, n, n, 8)
+    assert planned == cupy_flash.FlashPlan(dtype_name, d_k, d_v, rows, 8)
+
+
+@pytest.mark.parametrize(
+    ("slices", "n", "m", "is_causal", "budget", "fused"),
+    [
+        (8, 256, 256, False, 2**29, True),  # 2**16 scores a slice: small
+        (64, 128, 128, True, 2**29, True),
+        (8, 512, 512, False, 2**29, False),  # 2**18: attend's one block
+        (8, 8192, 8192, False, 2**29, False),  # 4 blocks of 2 slices
+        (8, 8192, 8192, True, 2**29, False),  # 4 causal blocks of rows
+        (8, 8192, 8192, False, 2**26, True),  # 32 blocks of a 64 MiB budget
+        (8, 2048, 2048, False, 2**24, True),  # 8 of 16 MiB
+        (8, 2048, 2048, False, 2**25, False),  # 4 of 32 MiB
+        (1, 300, 2**20, False, 2**29, False),  # whole rows of a million keys: 1 block
+        (1, 300, 2**20, False, 2**20, True),  # blocks of 4,096 keys: 256
+    ],
+)
+def test_prefers_fused(slices, n, m, is_causal, budget, fused):
+    assert cupy_attention.prefers_fused(slices, n, m, 4, is_causal, budget) is fused
 
 
 @pytest.mark.parametrize(
@@ -173,7 +194,7 @@ def test_plan(dtype_name, d_k, d_v, n, slices, rows, keys):
     ],
 )
 def test_plan_declines(dtype_name, d_k, d_v, n, m, slices):
-    assert cupy_flash.plan(dtype_name, d_k, d_v, n, m, slices, 132) is None
+    assert cupy_flash.plan(dtype_name, d_k, d_v, n, m, slices) is None
 
 
 def test_kernel_source_is_written_for_each_plan():
