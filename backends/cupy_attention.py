@@ -26,6 +26,10 @@ Blocks hold whole rows of keys where the memory budget allows
 joined as :mod:`attnx.blocks` states (the online softmax), each block's
 maximum and sum from the kernel.
 
+Calls without a ``mask`` that are small, or that a small memory budget
+would cut into many blocks (each a round of some ten launches), go to a
+fused kernel instead (:mod:`cupy_flash`, :func:`prefers_fused`).
+
 The blocking (:func:`attend`) is plain NumPy-style code over ``xp``, the
 array's namespace, with the row softmax passed in; on the CPU the tests run
 it with a row softmax written in NumPy, so that only the kernel needs a GPU
