@@ -524,7 +524,7 @@ def flash_outputs() -> None:
 
 def flash_times() -> None:
     """The fused kernel's time against attend's blocks and PyTorch's SDPA,
-    each in this process."""
+    each in this process (every call sent to each)."""
     from attnx_backends import cupy_flash
 
     for batch, size, d in (
@@ -596,27 +596,7 @@ def flash() -> None:
 
     flash_outputs()
     native_outputs()
-    for batch, size, d in (
-        (1, 512, 64),
-        (1, 2048, 64),
-        (1, 8192, 64),
-        (16, 1024, 64),
-        (1, 2048, 128),
-        (1, 8192, 128),
-        (64, 128, 64),
-    ):
-        for operation in ("sdpa", "sdpa_causal"):
-            shape = dict(operation=operation, batch=batch, heads=8, n=size, head_dim=d, device=CUDA, repeat=10)
-            label = f"{operation} ({batch}, 8, {size}, {d})"
-            plan = cupy_flash.plan("float32", d, d, size, size, batch * 8)
-            anchor = row(f"torch-sdpa {label}", Case("torch-sdpa", **shape))
-            with flash_choices():
-                fused = row(f"cupy flash {label} {cupy_flash.kernel_name(plan)}", Case("attnx:cupy", **shape))
-            with flash_choices(fused=False):
-                blocked = row(f"cupy blocks {label}", Case("attnx:cupy", **shape))
-            ratio(fused, anchor)
-            ratio(blocked, anchor)
-            ratio(fused, blocked)
+    flash_times()
     for batch, size, operation in ((1, 8192, "sdpa"), (1, 8192, "sdpa_causal"), (16, 1024, "sdpa"), (1, 512, "sdpa")):
         shape = dict(operation=operation, batch=batch, heads=8, n=size, head_dim=64, device=CUDA, repeat=10)
         lines = {}
