@@ -240,6 +240,7 @@ def numpy_flash_kernel(flash, query, key, value, limits, scale):
     the keys in tiles of ``flash.keys`` up to the furthest key any of its
     queries attends, joining each tile's exponentials by the online
     softmax."""
+    assert isinstance(scale, float)  # the kernel's argument: an array scale is folded into the queries first
     slices, n, _ = query.shape
     m = key.shape[1]
     limit = np.full((slices, n), m) if limits is None else np.clip(limits, 0, m)
@@ -380,6 +381,11 @@ def test_flash_plan(dtype_name, d_k, d_v, n, rows):
         (8, 2048, 2048, False, 2**25, False),  # 4 of 32 MiB
         (1, 300, 2**20, False, 2**29, False),  # whole rows of a million keys: 1 block
         (1, 300, 2**20, False, 2**20, True),  # blocks of 4,096 keys: 256
+        (1, 64, 7 * 4096 + 1, False, 2**20, True),  # 8 blocks of keys, the last of one
+        (1, 64, 7 * 4096, False, 2**20, False),  # 7
+        (1, 7 * 64 + 1, 4096, False, 2**20, True),  # 8 blocks of rows, the last of one
+        (29, 512, 512, False, 2**22, True),  # 8 blocks of 4 slices, the last of one
+        (28, 512, 512, False, 2**22, False),
     ],
 )
 def test_prefers_fused(slices, n, m, is_causal, budget, fused):
@@ -403,11 +409,11 @@ def test_flash_plan_declines(dtype_name, d_k, d_v, n, m, slices):
 
 
 def test_flash_kernel_source_is_written_for_each_plan():
-    plan = cupy_flash.FlashPlan("float64", 40, 3, 32, 8)
+    plan = cupy_flash.FlashPlan("float64", 41, 3, 32, 8)  # features padded to whole vectors of 2
     source = cupy_flash.kernel_source(plan)
     assert source.startswith("typedef double T;\ntypedef double2 V;\n")
-    for line in ("#define D 40", "#define DV 3", "#define VEC 2", "#define DP 40", "#define DVP 4"):
+    for line in ("#define D 41", "#define DV 3", "#define VEC 2", "#define DP 42", "#define DVP 4"):
         assert f"\n{line}\n" in source
     assert "#define ROWS 32\n#define KEYS 8\n" in source
-    assert 'extern "C" __global__ void __launch_bounds__(ROWS) flash_float64_40_3_32_8(' in source
+    assert 'extern "C" __global__ void __launch_bounds__(ROWS) flash_float64_41_3_32_8(' in source
     assert "KERNEL_NAME" not in source
