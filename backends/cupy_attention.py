@@ -331,8 +331,8 @@ def attend_fused(
 ) -> Any:
     """Scaled dot-product attention without a ``mask`` in one launch of the
     fused ``kernel`` (:mod:`cupy_flash`, whose ``flash`` plan it is): the
-    inputs as C-ordered slices, the causal rule and ``key_lengths`` as each
-    query's keys.  A ``scale`` that is an array multiplies the queries
+    inputs as ``(slices, rows, features)``, the causal rule and
+    ``key_lengths`` as each query's keys.  A ``scale`` that is an array multiplies the queries
     first; a float goes to the kernel."""
     n, m = query.shape[-2], key.shape[-2]
     q, k, v = (_as_slices(xp, array, batch_shape) for array in (query, key, value))
@@ -432,8 +432,8 @@ def scaled_dot_product_attention(
     """attnx's native entry point (see :meth:`attnx.Backend.implementations`);
     ``backend`` is bound by it.  Declines the weights and calls with no
     query, key or feature.  A call without a ``mask`` or a ``chunk_size``
-    goes to the fused kernel (:mod:`cupy_flash`) where its plan takes it;
-    the rest to :func:`attend`'s blocks."""
+    goes to the fused kernel (:mod:`cupy_flash`) where :func:`prefers_fused`
+    and the kernel's plan take it; the rest to :func:`attend`'s blocks."""
     import array_api_compat.cupy as xp
 
     n, m = query.shape[-2], key.shape[-2]

@@ -217,7 +217,8 @@ def plan(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int) -> Fl
     that fit the shared memory with them: 128 up to 80 features in float32
     and 40 in float64, 64 above (fewer where the call has fewer queries)."""
     itemsize = _ITEMSIZE.get(dtype_name)
-    if itemsize is None or max(n, m) >= 2**31 or slices * -(-n // min(ROW_CHOICES, default=1)) >= 2**31:
+    # Positions (a block's first query past the last among them) in int32, the grid in CUDA's 2**31 - 1.
+    if itemsize is None or max(n, m) >= 2**31 - 128 or slices * -(-n // min(ROW_CHOICES, default=1)) >= 2**31:
         return None
     vector = 16 // itemsize
     padded_k, padded_v = _padded(d_k, vector), _padded(d_v, vector)

@@ -399,8 +399,8 @@ def test_prefers_fused(slices, n, m, is_causal, budget, fused):
         ("float32", 137, 64, 128, 128, 8),  # past a thread's registers, even in tiles of 8 keys
         ("float32", 64, 137, 128, 128, 8),
         ("float64", 65, 8, 128, 128, 8),
-        ("float32", 64, 64, 2**31, 8, 1),  # past the kernel's int32 positions
-        ("float32", 64, 64, 8, 2**31, 1),
+        ("float32", 64, 64, 2**31 - 128, 8, 1),  # past the kernel's int32 positions
+        ("float32", 64, 64, 8, 2**31 - 128, 1),
         ("float32", 64, 64, 32, 8, 2**31),  # past CUDA's grid
     ],
 )
