@@ -1,7 +1,7 @@
 """The GPU items of ``bench/RESULTS.md`` ("For the next lent GPU"), timed in
 one process against baselines measured in the same run.
 
-    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs] [masks] [host_profile] [flash]   # on a machine with CUDA, CuPy and PyTorch
+    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs] [masks] [host_profile] [flash] [flash_outputs] [flash_times] [flash_rule]   # on a machine with CUDA, CuPy and PyTorch
 
 Each row is :func:`attnx.benchmark.run_case`, as ``attnx bench`` times it
 (the median of at least 5 synchronised calls and 0.25 s, and the peak
@@ -29,8 +29,10 @@ the plan attnx made before the change measured:
   against the generic algorithm and PyTorch's SDPA given the same mask;
   where its host time goes at n = 512 (``host_profile``, cProfile).
 - the fused kernel (``flash``): its outputs against the generic
-  algorithm's, its time against attend's blocks and PyTorch's SDPA, and its
-  blocks' rows and tiles' keys.
+  algorithm's (``flash_outputs``), its time against attend's blocks and
+  PyTorch's SDPA (``flash_times``), and its blocks' rows and tiles' keys;
+  where it beats the blocks, small calls and small budgets (``flash_rule``,
+  the measurements behind ``cupy_attention.prefers_fused``).
 
 The window's anchor is PyTorch's compiled FlexAttention, in the same run.
 Dask arrays of CuPy chunks are checked by ``tests/test_dask_cupy.py``.
