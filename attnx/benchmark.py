@@ -731,6 +731,28 @@ def _python() -> str:
     return text
 
 
+def _idle_policy(sysfs: Path = Path("/sys")) -> str:
+    """How this machine's idle CPUs wait, where Linux says (empty elsewhere):
+    on a VM whose idle vCPUs halt at once (the ``haltpoll`` driver with
+    ``guest_halt_poll_ns`` 0), waking the second core costs tens of
+    microseconds a hand-over, and attnx's threaded NumPy calls of under a
+    millisecond took 1.15x the time they took with the kernel's default
+    polling (bench/RESULTS.md, forty-first session): a reader of the
+    report should know which machine it was."""
+    try:
+        driver = (sysfs / "devices/system/cpu/cpuidle/current_driver").read_text().strip()
+    except OSError:
+        return ""
+    if driver != "haltpoll":
+        return f"cpuidle driver {driver}"
+    try:
+        poll_ns = int((sysfs / "module/haltpoll/parameters/guest_halt_poll_ns").read_text())
+    except (OSError, ValueError):
+        return "cpuidle driver haltpoll"
+    halts = " (an idle vCPU halts at once, and waking it costs tens of microseconds)" if poll_ns == 0 else ""
+    return f"cpuidle driver haltpoll, guest_halt_poll_ns {poll_ns}{halts}"
+
+
 def markdown(results: Sequence[Result], command: str, grid: bool = False, rounds: int = 1) -> str:
     lines = _markdown_table(HEADERS, table_rows(results))
     exponents = []
@@ -747,6 +769,9 @@ def markdown(results: Sequence[Result], command: str, grid: bool = False, rounds
             *_markdown_table(grid_headers, grid_table),
             "",
         ]
+    machine = ", ".join(
+        part for part in (platform.machine(), f"{os.cpu_count()} CPUs", _idle_policy(), _python()) if part
+    )
     clustered = cluster_rows(results)
     if clustered:
         ratio_section += [
@@ -760,7 +785,7 @@ def markdown(results: Sequence[Result], command: str, grid: bool = False, rounds
         [
             f"Command: `{command}`",
             "",
-            f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, {_python()}; "
+            f"Machine: {machine}; "
             "each row measured in its own process (one array library per process, so OpenBLAS's idle "
             "threads cannot slow PyTorch); times are medians of at least `--repeat` calls and 0.25 s, after one warm-up call"
             + (

@@ -381,3 +381,37 @@ def test_the_table_gives_milliseconds_gflops_and_mebibytes():
     case = Case("attnx:numpy", "sdpa", 1, 8, 128, 64)
     (row,) = benchmark.table_rows([Result(case, median_s=2.5e-4, peak_bytes=3 * 2**20 + 2**19)])
     assert row[4:7] == ("0.25", f"{case.flops / 2.5e-4 / 1e9:.1f}", "3.5")
+
+
+@pytest.mark.parametrize(
+    ("files", "said"),
+    [
+        ({}, ""),
+        ({"devices/system/cpu/cpuidle/current_driver": "intel_idle\n"}, "cpuidle driver intel_idle"),
+        ({"devices/system/cpu/cpuidle/current_driver": "haltpoll\n"}, "cpuidle driver haltpoll"),
+        (
+            {
+                "devices/system/cpu/cpuidle/current_driver": "haltpoll\n",
+                "module/haltpoll/parameters/guest_halt_poll_ns": "200000\n",
+            },
+            "cpuidle driver haltpoll, guest_halt_poll_ns 200000",
+        ),
+        (
+            {
+                "devices/system/cpu/cpuidle/current_driver": "haltpoll\n",
+                "module/haltpoll/parameters/guest_halt_poll_ns": "0\n",
+            },
+            "cpuidle driver haltpoll, guest_halt_poll_ns 0 (an idle vCPU halts at once, "
+            "and waking it costs tens of microseconds)",
+        ),
+    ],
+)
+def test_the_report_says_how_idle_cpus_wait(tmp_path, files, said):
+    """The host's idle policy decides what a threaded call under a
+    millisecond costs (bench/RESULTS.md): the report names it where Linux
+    says, and nothing where it does not."""
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert benchmark._idle_policy(tmp_path) == said
