@@ -248,7 +248,7 @@ def attend(
     q = q * scale
     key_t = xp.matrix_transpose(k)
     limits = _row_limits(xp, key_lengths, is_causal, batch_shape, n, m, device)
-    itemsize = 4 if dtype == xp.float32 else 8
+    itemsize = dtype.itemsize  # float32 or float64: half precision arrives cast to float32
     mask_slices = _mask_slices(xp, mask, batch_shape, device)
     if mask_slices is not None:  # each block's entries of the mask, beside its scores
         itemsize += 1 if mask.dtype == xp.bool else itemsize
