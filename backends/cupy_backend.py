@@ -85,13 +85,13 @@ def _device_index(device: Any) -> int:
         import cupy
 
         return cupy.cuda.Device().id
-    if isinstance(device, int):
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
         return device
     if hasattr(device, "id"):
         return device.id
-    text = str(device)
-    if text.startswith("cuda"):
-        return int(text.partition(":")[2] or 0)
+    kind, colon, index = str(device).partition(":")  # "cuda:1", and torch.device("cuda:1") by its str
+    if kind == "cuda" and (index.isdigit() or not colon):
+        return int(index or 0)
     raise ValueError(f"the cupy backend expects a CUDA device ('cuda:0', 0), got {device!r}")
 
 

@@ -1,7 +1,8 @@
 """The CuPy native on the CPU: its blocking
 (``attnx_backends.cupy_attention.attend``) run over NumPy arrays with the
 row softmax written in NumPy from the kernel's contract, and its fused
-kernel's (``cupy_flash``) plans and algorithm.  The kernels themselves need
+kernel's (``cupy_flash``) plans and algorithm, and the backend's reading of
+device names (``cupy_backend``).  The kernels themselves need
 a GPU; the conformance suite on CuPy (``attnx conformance cupy``) checks
 the whole there, and ``bench/gpu_checks.py native`` and ``flash`` time
 it."""
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnx_backends import cupy_attention, cupy_flash
+from attnx_backends import cupy_attention, cupy_backend, cupy_flash
 from attnx_conformance import reference
 
 
@@ -417,3 +418,26 @@ def test_flash_kernel_source_is_written_for_each_plan():
     assert "#define ROWS 32\n#define KEYS 8\n" in source
     assert 'extern "C" __global__ void __launch_bounds__(ROWS) flash_float64_41_3_32_8(' in source
     assert "KERNEL_NAME" not in source
+
+
+class _CupyDevice:
+    """Stands for ``cupy.cuda.Device``, whose index is its ``id``."""
+
+    def __init__(self, index):
+        self.id = index
+
+
+@pytest.mark.parametrize(
+    ("device", "index"),
+    [(0, 0), (3, 3), ("cuda", 0), ("cuda:0", 0), ("cuda:12", 12), (_CupyDevice(2), 2)],
+)
+def test_cupy_reads_device_names_and_indices(device, index):
+    assert cupy_backend._device_index(device) == index
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:", "cuda:x", "cuda:-1", "cudax", "cuda:1:2", "gpu", True, -1, 1.0])
+def test_cupy_refuses_what_is_not_a_cuda_device(device):
+    """Not read as some other device: ``"cudax"`` or ``True`` would have been
+    device 0 or 1."""
+    with pytest.raises(ValueError, match=r"the cupy backend expects a CUDA device \('cuda:0', 0\), got"):
+        cupy_backend._device_index(device)
