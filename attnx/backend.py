@@ -4,7 +4,7 @@ A backend tells attnx how to reach one array library: its array API
 namespace, whether it can run here, which devices it has, how to move data
 to and from NumPy, and how to wait for queued device work.  It may also
 offer native implementations that replace attnx's generic algorithm for some
-operations.  See the "Writing a backend" guide in the README.
+operations.  See the "Writing a backend" page of the docs (docs/extending/backend.md).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ __all__ = ["GPU_BLOCK_BYTES", "Backend", "device_label"]
 #: library whatever its size: with a CPU's 4 MiB blocks an H100 waited on
 #: them (CuPy: 200 ms for a (1, 8, 8192, 64) call that takes 10 ms in one
 #: block).  From 512 MiB the calls measured were within 4% of 1 GiB blocks
-#: (bench/RESULTS.md, "GPU").
+#: (docs/archive/bench-sessions.md, "GPU").
 GPU_BLOCK_BYTES = 512 * 2**20
 
 

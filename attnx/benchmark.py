@@ -722,6 +722,44 @@ def _markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> li
     ]
 
 
+def _cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The processor's name, where Linux says (empty elsewhere)."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def machine_record(command: str) -> dict:
+    """What a report's reader needs to know of the run: when, on what, with
+    which libraries (``run.json`` beside ``results.json``; the docs'
+    performance page names each table's machine and date from it)."""
+    import datetime
+    from importlib.metadata import PackageNotFoundError, version
+
+    libraries = {}
+    for name in ("attnx", "numpy", "torch", "jax", "dask", "cupy"):
+        try:
+            libraries[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return {
+        "command": command,
+        "date": datetime.date.today().isoformat(),
+        "machine": {
+            "cpu": _cpu_model() or platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "arch": platform.machine(),
+            "idle": _idle_policy(),
+            "python": _python(),
+        },
+        "libraries": libraries,
+    }
+
+
 def _python() -> str:
     """The interpreter, and on a free-threaded build whether the GIL is off:
     the NumPy backend's threads wait differently (spinning) without it."""
@@ -737,7 +775,7 @@ def _idle_policy(sysfs: Path = Path("/sys")) -> str:
     ``guest_halt_poll_ns`` 0), waking the second core costs tens of
     microseconds a hand-over, and attnx's threaded NumPy calls of under a
     millisecond took 1.15x the time they took with the kernel's default
-    polling (bench/RESULTS.md, forty-first session): a reader of the
+    polling (docs/archive/bench-sessions.md, forty-first session): a reader of the
     report should know which machine it was."""
     try:
         driver = (sysfs / "devices/system/cpu/cpuidle/current_driver").read_text().strip()

@@ -233,6 +233,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     command = "attnx bench " + " ".join(args.argv)
     (folder / "results.md").write_text(benchmark.markdown(results, command.strip(), grid=args.grid, rounds=args.rounds))
+    (folder / "run.json").write_text(json.dumps(benchmark.machine_record(command.strip()), indent=1))
     (folder / "results.json").write_text(
         json.dumps(
             [
@@ -251,7 +252,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     )
     plots = benchmark.plot(results, folder)
-    print(f"\nwrote {folder / 'results.md'}, {folder / 'results.json'}" + "".join(f", {p}" for p in plots))
+    print(
+        f"\nwrote {folder / 'results.md'}, {folder / 'results.json'}, {folder / 'run.json'}"
+        + "".join(f", {p}" for p in plots)
+    )
     if not plots:
         print("(no plots: pip install 'attnx[bench]' for matplotlib)")
     print(

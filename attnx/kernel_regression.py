@@ -85,7 +85,7 @@ def nadaraya_watson(
     :meth:`~attnx.Backend.map_chunks` (under ``jax.jit``, one ``lax.map``).
     Without the weights the kernel is never whole: at n = m = 2048 in
     float64 on NumPy the peak is 12 MiB where the whole kernel and the
-    arrays beside it took 96 MiB (bench/RESULTS.md has the times: 0.6-0.8x
+    arrays beside it took 96 MiB (docs/archive/bench-sessions.md has the times: 0.6-0.8x
     of whole where the allocator keeps freed memory).  With them, the
     ``(n, m)`` weights are the output: each chunk's are normalised alone
     and joined, so the peak is the weights twice over (the chunks, and

@@ -4,7 +4,7 @@ block of scores in one kernel.
 The generic algorithm (array API only) takes a row's maximum, subtracts it
 into a new array, exponentiates, and sums: each a pass over the whole block
 of scores in GPU memory, and together 57% of a textbook attention's time on
-an H200 at (1, 8, 8192, 64) (bench/RESULTS.md, fifth GPU run), where the two
+an H200 at (1, 8, 8192, 64) (docs/archive/bench-sessions.md, fifth GPU run), where the two
 matrix products were 39%.  Here one kernel (:data:`ROW_SOFTMAX_SOURCE`, a
 block of threads per row) reads each row twice, the second time from L2,
 and writes its exponentials in place, with the row's maximum and sum; the output of the
@@ -53,7 +53,7 @@ from . import cupy_flash
 #: blocks, 5/8 of the square's scores.  Each block is a round of some ten
 #: launches, which the work skipped pays for only in large calls: by the
 #: scores of the whole call, ``(from, blocks)``.  On an H200, in float32
-#: (bench/RESULTS.md, sixth GPU run, two machines), against 4 blocks:
+#: (docs/archive/bench-sessions.md, sixth GPU run, two machines), against 4 blocks:
 #: (1, 8, 2048, 64), 2**25 scores, 0.38x-0.52x in one block; (1, 8, 8192,
 #: 64), 2**29, 1.36x in one, 1.15x-1.20x in two, 1.18x-1.21x in eight;
 #: (16, 8, 1024, 64), 2**27, 0.84x and 1.13x in two, 0.91x and 1.18x in
@@ -69,7 +69,7 @@ SCORES_PER_THREAD = 8
 MAX_THREADS = 512
 #: Where the fused kernel (:mod:`cupy_flash`) takes a call without a mask
 #: (:func:`prefers_fused`).  On an H200, float32, d = 64, its time over
-#: attend's blocks' (bench/RESULTS.md, eighth GPU run): up to 2**16 scores
+#: attend's blocks' (docs/archive/bench-sessions.md, eighth GPU run): up to 2**16 scores
 #: a slice, 0.52x-0.70x ((1, 8, 128), (1, 8, 256), (4, 8, 256)), and
 #: 0.93x-1.01x at (64, 8, 128); from 2**18 at the default budget, 0.87x-1.94x
 #: ((1, 1, 512) 0.87x, (1, 8, 512) 1.09x-1.26x, (1, 2, 1024) 1.23x-1.55x,

@@ -5,7 +5,7 @@ turns them into exponentials in place (its row softmax kernel) and
 multiplies them by the values: each step a pass over the scores in GPU
 memory, and some ten launches a block.  At (1, 8, 8192, 64) on an H200
 that is 1.42x PyTorch's SDPA, and at n = 512, where the call waits on its
-launches, 3.9x (bench/RESULTS.md, sixth GPU run).
+launches, 3.9x (docs/archive/bench-sessions.md, sixth GPU run).
 
 Here one launch computes the whole call, FlashAttention's way on the
 GPU's float units: a block of threads holds :data:`FlashPlan.rows`
@@ -169,7 +169,7 @@ SHARED_BYTES = 48 * 1024 - 16
 REGISTER_BYTES = 576
 #: A tile's keys, largest first: the first whose scores fit REGISTER_BYTES.
 #: On an H200, float32, d = 64, blocks of 128 queries, tiles of 8 keys
-#: against 16 (bench/RESULTS.md, eighth GPU run): (1, 8, 8192, 64) 7.29 ms
+#: against 16 (docs/archive/bench-sessions.md, eighth GPU run): (1, 8, 8192, 64) 7.29 ms
 #: against 8.52, (16, 8, 1024, 64) 1.73 against 1.80, (1, 8, 512, 64) 0.226
 #: against 0.246; causal (1, 8, 8192, 64) 4.66 against 4.38.  Fewer
 #: registers a thread, more threads a multiprocessor.

@@ -14,7 +14,7 @@ the average of the values, attnx zeros) and a causal mask only where both
 align it alike (``n == m``).  On the CPU attnx's own algorithm, jitted, runs
 instead: at (1, 8, 2048, 64) float32 on 2 cores it took 0.41x the time of
 jitted ``jax.nn.dot_product_attention`` (0.47x causal) in one run, though
-1.5x at n = 512 (0.66x causal); see ``bench/RESULTS.md``.
+1.5x at n = 512 (0.66x causal); see ``docs/archive/bench-sessions.md``.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class JaxBackend(Backend):
         # program runs on the default backend, as one program, where small
         # tiles cost no dispatch and skip the work outside a band, but each
         # turn of a traced loop (additive attention's chunks, lax.map) costs
-        # a few launches.  Measured jitted on an H200 (bench/RESULTS.md):
+        # a few launches.  Measured jitted on an H200 (docs/archive/bench-sessions.md):
         # flex_attention's sliding window of 256 keys, (1, 8, 8192, 64), took
         # 1.60 ms with 4 MiB tiles, 1.61 ms with 64 MiB and 4.29 ms with 512
         # MiB; additive attention at (1, 8, 2048, 64), h = 64, took 39.0 ms in

@@ -29,7 +29,7 @@ again, shifted by the rows' running maxima.  The checks run after the
 tasks, on the calling thread: short NumPy calls inside a task hand the GIL
 to the other threads and wait to have it back, and cost more than their
 work (four such checks a task took 63 us of a (1, 8, 128, 64) call's
-492 us; the fourteenth session's figures in bench/RESULTS.md say why).
+492 us; the fourteenth session's figures in docs/archive/bench-sessions.md say why).
 
 Masks (``mask``, ``key_lengths``) are laid out by slice once per call
 (:mod:`.numpy_masks`) and applied as the causal band is: a product with the
@@ -70,7 +70,7 @@ PARALLEL_SCORES = 2**16
 #: slices a task of d_k 64).  Calls of one task a thread take
 #: :func:`causal_spans` instead: at (1, 8, 128, 64) and (1, 4, 128, 128)
 #: this split took 0.93x and 0.94x of no split, spans 0.84-0.91x and 0.87x
-#: of this split (bench/RESULTS.md, twenty-fourth session).
+#: of this split (docs/archive/bench-sessions.md, twenty-fourth session).
 SPLIT_WIDTH = 256
 #: Scores from which each thread gets two tasks or more.
 BALANCED_SCORES = 2**20

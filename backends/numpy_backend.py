@@ -9,7 +9,7 @@ one thread per block meanwhile: every core then works on the exponentials too.
 On a free-threaded CPython (3.13t and later, the GIL off) a thread waiting
 for blocks or for their end spins a while before it sleeps, as OpenMP's
 threads do: a sleeping thread's vCPU halts, and waking it costs tens of
-microseconds on the VMs this was measured on (bench/RESULTS.md).  With a
+microseconds on the VMs this was measured on (docs/archive/bench-sessions.md).  With a
 GIL the waits sleep at once: a spinning thread would hold the GIL that the
 working threads need between their NumPy calls.
 """
@@ -29,7 +29,7 @@ from attnx import Backend, hookimpl
 THREADS_ENV = "ATTNX_NUM_THREADS"
 #: How long a waiting thread spins before it sleeps, where there is no GIL:
 #: at (1, 8, 128, 64) float32 on 2 cores, 50 us gained nothing, 300 us and
-#: 1 ms 10-18% of a call's time (bench/RESULTS.md, twenty-third session).
+#: 1 ms 10-18% of a call's time (docs/archive/bench-sessions.md, twenty-third session).
 SPIN_SECONDS = 0.0005
 # CPython before 3.13 has a GIL, always on; 3.13t can turn it back on at
 # run time (an extension that does not declare itself free-threading safe).
@@ -179,7 +179,7 @@ class _Helper:
     calling thread needs it.  On a host slower to wake a halted vCPU the
     round trip took 75-100 us, and ``map_blocks`` of two empty blocks
     96-129 us: 15-28 us with a free-threaded CPython's spinning waits
-    (bench/RESULTS.md)."""
+    (docs/archive/bench-sessions.md)."""
 
     def __init__(self, name: str) -> None:
         self._go, self._done = threading.Lock(), threading.Lock()

@@ -8,7 +8,7 @@ matrix product), and attnx's generic algorithm on CuPy with the backend's
 ``block_bytes`` set to each size in turn; attnx's and the textbook's times
 are printed as ratios to PyTorch's.  Each time is the best of three rounds
 of five synchronised calls, after a warm-up.  The figures behind the CuPy
-backend's ``block_bytes`` are in ``bench/RESULTS.md`` ("GPU").
+backend's ``block_bytes`` are in ``docs/archive/bench-sessions.md`` ("GPU").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPU items of ``bench/RESULTS.md`` ("For the next lent GPU"), timed in
+"""The GPU items of ``docs/archive/bench-sessions.md`` ("For the next lent GPU"), timed in
 one process against baselines measured in the same run.
 
     python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs] [masks] [host_profile] [flash] [flash_outputs] [flash_times] [flash_rule]   # on a machine with CUDA, CuPy and PyTorch

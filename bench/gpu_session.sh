@@ -8,14 +8,14 @@
 #     bash bench/gpu_session.sh          # SDPA timed, then the three suites
 #     bash bench/gpu_session.sh family   # the family's other operations timed, and SDPA in float16
 #     bash bench/gpu_session.sh checks   # bench/gpu_checks.py and tests/test_dask_cupy.py, then the three suites
-#     (the stages bench/RESULTS.md's "For the next lent GPU" lists, in its order: CHECKS="window"
+#     (the stages docs/archive/bench-sessions.md's "For the next lent GPU" lists, in its order: CHECKS="window"
 #     for that stage alone; SKIP_DASK=1 to go from the checks to the suites, past the
 #     Dask-on-CuPy tests; SKIP_SUITES=1 to stop before the suites; SUITES="cupy jax" for
 #     some of them)
 # The checks' Dask travels as wheels too:
 #     pip download --no-deps -d .whl dask==2026.8.0 partd==1.4.2 locket==1.0.0
 # Logs and the benchmark's report go to $OUT; the figures are written up in
-# bench/RESULTS.md ("GPU") and conformance/RESULTS.md.
+# docs/archive/bench-sessions.md ("GPU") and conformance/RESULTS.md.
 set -u
 OUT=${OUT:-/tmp/attnx-gpu}
 mkdir -p "$OUT"

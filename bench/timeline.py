@@ -7,7 +7,7 @@ Stamps, in microseconds from the caller's line, the NumPy native's entry,
 thread's first block in and last block out, and the exactness check, and
 prints the median of each over ``--calls`` calls (the first 200 are warm-up).
 The stamps wrap the native's own functions, so the call is the one users
-make, with a few microseconds of wrapping.  bench/RESULTS.md (forty-first
+make, with a few microseconds of wrapping.  docs/archive/bench-sessions.md (forty-first
 session) reads it with the host's idle polling off and on.
 """
 

@@ -2,7 +2,10 @@
 
 The classic data: y = 2 sin(x) + x^0.8 + noise.  The gaussian kernel with
 bandwidth 1/w is softmax(-((q - k) w)^2 / 2); w is learned on leave-one-out
-predictions, then the fit and the attention weights are plotted.
+predictions, then the fit and the attention weights are plotted, and a
+summary printed: the learned width, the fit's error against the truth.
+
+About 10 s on 2 CPU cores at the default 200 steps.
 
     python examples/nadaraya_watson_fit.py [--out nadaraya_watson.png]
 """
@@ -61,13 +64,13 @@ def main() -> None:
         optimizer.step()
         if step % 50 == 0 or step == args.steps - 1:
             print(f"step {step:3d}  leave-one-out MSE {loss.item():.3f}  w {w.item():.2f}")
-    with torch.no_grad():  # the fit at the learned w, to full precision (checked by the tests)
-        print(
-            f"learned w {w.item():.12f}  fit at the test inputs {attnx.nadaraya_watson(x_test, x_train, y_train, bandwidth=1 / w).tolist()}"
-        )
-
     with torch.no_grad():
         fit, weights = attnx.nadaraya_watson(x_test, x_train, y_train, bandwidth=1 / w, return_weights=True)
+    error = ((fit - truth(x_test)) ** 2).mean().item()
+    sharpest = weights.max(-1).values.mean().item()
+    print(f"learned w {w.item():.12f} (bandwidth {1 / w.item():.3f})")
+    print(f"fit at {len(x_test)} test inputs: mean squared error against the truth {error:.9f}")
+    print(f"each test input's largest weight on one training point: {sharpest:.3f} on average")
     import matplotlib
 
     matplotlib.use("Agg")

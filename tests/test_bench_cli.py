@@ -408,7 +408,7 @@ def test_the_table_gives_milliseconds_gflops_and_mebibytes():
 )
 def test_the_report_says_how_idle_cpus_wait(tmp_path, files, said):
     """The host's idle policy decides what a threaded call under a
-    millisecond costs (bench/RESULTS.md): the report names it where Linux
+    millisecond costs (docs/archive/bench-sessions.md): the report names it where Linux
     says, and nothing where it does not."""
     for name, text in files.items():
         path = tmp_path / name

@@ -131,7 +131,7 @@ def test_pytorch_s_cuda_tensors_get_a_gpu_s_blocks():
     torch = pytest.importorskip("torch")
     from attnx.backend import GPU_BLOCK_BYTES
 
-    assert GPU_BLOCK_BYTES == 512 * 2**20  # measured: within 4% of 1 GiB blocks (bench/RESULTS.md, "GPU")
+    assert GPU_BLOCK_BYTES == 512 * 2**20  # measured: within 4% of 1 GiB blocks (docs/archive/bench-sessions.md, "GPU")
     assert attnx.get_memory_budget("torch") == attnx.get_memory_budget("torch", torch.device("cpu")) == BLOCK_BYTES
     for device in ("cuda:0", torch.device("cuda", 1)):
         assert attnx.get_memory_budget("torch", device) == GPU_BLOCK_BYTES
@@ -158,7 +158,7 @@ def test_jax_under_jit_plans_for_the_default_backend(monkeypatch):
     takes 64 MiB, not a GPU's 512 MiB for concrete arrays: on an H200 the
     jitted window took 1.60 ms in 4 MiB tiles, 1.61 ms in 64 MiB and 4.29 ms
     in 512 MiB, and additive attention's traced loop 39.0 ms in chunks of 4
-    MiB against 5.46 ms (bench/RESULTS.md)."""
+    MiB against 5.46 ms (docs/archive/bench-sessions.md)."""
     jax = pytest.importorskip("jax")
     from attnx_backends.jax_backend import TRACED_GPU_BLOCK_BYTES
 

@@ -121,7 +121,7 @@ def test_jit_loops_over_additive_attention_s_chunks(jax):
     chunk's operations each: the program's length does not grow with the
     queries.  Unrolled, (1, 8, 2048, 64) with h = 64 was 14,351 equations,
     its first call took 60 s on 2 cores and later ones 6.4 s; looped, 1.8 s
-    and 1.0 s (bench/RESULTS.md)."""
+    and 1.0 s (docs/archive/bench-sessions.md)."""
     jnp = jax.numpy
     gen = np.random.default_rng(7)
     params = {"w_q": gen.standard_normal((4, 6)), "w_k": gen.standard_normal((4, 6)), "w_v": gen.standard_normal(6)}
