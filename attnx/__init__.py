@@ -8,6 +8,7 @@ from attnx import blocks, masks, mods, natives
 from attnx._config import get_backend, get_memory_budget, memory_budget, set_backend, set_memory_budget, use_backend
 from attnx._registry import BackendInfo
 from attnx._registry import registry as _registry
+from attnx._typing import Array, Device, DType
 from attnx.additive import additive_attention, bahdanau_context
 from attnx.attention import masked_softmax, scaled_dot_product_attention
 from attnx.backend import Backend
@@ -39,6 +40,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "Array",
+    "DType",
+    "Device",
     "LearnedPositions",
     "MultiHeadAttention",
     "additive_attention",

@@ -6,11 +6,11 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
 
 from attnx import _checks
 from attnx._registry import registry
 from attnx._tracing import run_at_trace_time
+from attnx._typing import Device
 from attnx.backend import Backend
 
 #: Environment variable naming the default backend.
@@ -25,6 +25,26 @@ def set_backend(name: str | None) -> None:
     """Set the process-wide current backend (``None`` restores the default).
 
     :func:`use_backend` blocks take precedence over it.
+
+    Parameters
+    ----------
+    name : str or None
+        A registered backend, or None.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not a registered backend.
+    TypeError
+        If ``name`` is neither a string nor None.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> attnx.set_backend("numpy")
+    >>> attnx.get_backend()
+    'numpy'
+    >>> attnx.set_backend(None)   # back to $ATTNX_BACKEND, else numpy
     """
     global _process_backend
     if name is not None:
@@ -37,6 +57,21 @@ def use_backend(name: str) -> Iterator[Backend]:
     """Make ``name`` the current backend inside a ``with`` block.
 
     Backed by :mod:`contextvars`, so it is local to the thread or async task.
+
+    Parameters
+    ----------
+    name : str
+        A registered backend.
+
+    Yields
+    ------
+    Backend
+        The backend, current inside the block.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is not a registered backend.
 
     Examples
     --------
@@ -70,6 +105,28 @@ def set_memory_budget(nbytes: int | None) -> None:
 
     Attention whose ``(..., n, m)`` scores would exceed it switches to the
     chunked, memory-efficient algorithm.
+
+    Parameters
+    ----------
+    nbytes : int or None
+        The bytes of scores one block may hold, or None for the default.
+
+    Raises
+    ------
+    TypeError
+        If ``nbytes`` is neither an integer nor None.
+    ValueError
+        If ``nbytes`` is not positive.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> attnx.set_memory_budget(64 * 2**20)
+    >>> attnx.get_memory_budget("numpy") // 2**20
+    64
+    >>> attnx.set_memory_budget(None)
+    >>> attnx.get_memory_budget("numpy") // 2**20
+    4
     """
     global _process_budget
     _process_budget = _budget("set_memory_budget", nbytes) if nbytes is not None else None
@@ -77,7 +134,32 @@ def set_memory_budget(nbytes: int | None) -> None:
 
 @contextmanager
 def memory_budget(nbytes: int) -> Iterator[None]:
-    """The memory budget for score matrices inside a ``with`` block."""
+    """The memory budget for score matrices inside a ``with`` block.
+
+    Local to the thread or async task, as :func:`use_backend`; it takes
+    precedence over :func:`set_memory_budget`.
+
+    Parameters
+    ----------
+    nbytes : int
+        The bytes of scores one block may hold.
+
+    Raises
+    ------
+    TypeError
+        If ``nbytes`` is not an integer.
+    ValueError
+        If ``nbytes`` is not positive.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> with attnx.memory_budget(2**20):
+    ...     attnx.get_memory_budget("numpy")
+    1048576
+    >>> attnx.get_memory_budget("numpy")
+    4194304
+    """
     token = _context_budget.set(_budget("memory_budget", nbytes))
     try:
         yield
@@ -92,13 +174,35 @@ def user_memory_budget() -> int | None:
     return _context_budget.get() or _process_budget
 
 
-def get_memory_budget(backend: str | Backend | None = None, device: Any = None) -> int:
+def get_memory_budget(backend: str | Backend | None = None, device: Device = None) -> int:
     """The memory budget in force, in bytes: the one set with
     :func:`memory_budget` or :func:`set_memory_budget`, else the default of
     ``backend`` (a name or a :class:`Backend`; the current backend when
     None) for arrays on ``device``: its
     :meth:`~attnx.Backend.block_bytes_on` (512 MiB for CuPy, PyTorch's CUDA
-    tensors and JAX's GPU arrays outside jit, 4 MiB on the CPU)."""
+    tensors and JAX's GPU arrays outside jit, 4 MiB on the CPU).
+
+    Parameters
+    ----------
+    backend : str or Backend, optional
+    device : optional
+        A device of the backend, or None for its default.
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    ValueError
+        If ``backend`` names no registered backend.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> attnx.get_memory_budget("numpy") // 2**20
+    4
+    """
     budget = user_memory_budget()
     if budget is not None:
         return budget
@@ -141,5 +245,22 @@ def current_backend() -> tuple[Backend, str]:
 
 
 def get_backend() -> str:
-    """Name of the current backend."""
+    """Name of the current backend.
+
+    The one a :func:`use_backend` block made current, else the one
+    :func:`set_backend` set, else ``$ATTNX_BACKEND``, else ``"numpy"``.
+
+    Returns
+    -------
+    str
+
+    Examples
+    --------
+    >>> import attnx
+    >>> attnx.get_backend()
+    'numpy'
+    >>> with attnx.use_backend("torch"):
+    ...     attnx.get_backend()
+    'torch'
+    """
     return current_backend()[0].name

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from attnx import _checks, _dispatch, _masking, _params, _tiling
+from attnx._typing import Array
 
 __all__ = ["additive_attention", "bahdanau_context"]
 
@@ -14,16 +15,16 @@ _ADD = "additive_attention"
 
 
 def additive_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: Array,
+    key: Array,
+    value: Array,
     params: Mapping[str, Any],
     *,
-    mask: Any = None,
-    key_lengths: Any = None,
+    mask: Array = None,
+    key_lengths: Array = None,
     return_weights: bool = False,
     backend: str | None = None,
-) -> Any:
+) -> Array:
     r"""Additive attention (Bahdanau et al. 2015).
 
     Scores :math:`a(q, k) = \tanh(q W_q + k W_k)\, w_v`, then a masked
@@ -47,6 +48,25 @@ def additive_attention(
     weights : array, shape (..., n, m), only with ``return_weights=True``
         In the inputs' dtype; half precision is computed in float32.
 
+    Raises
+    ------
+    TypeError
+        If an input is not an array of a registered backend, the inputs come
+        from two backends, or ``backend=`` does not own them.
+        If ``params`` holds arrays of another backend or dtype, ``mask`` is
+        neither boolean nor real floating, ``key_lengths`` is not integer, or ``return_weights`` is
+        not ``True`` or ``False``.
+    ValueError
+        If ``params`` lacks ``w_q``, ``w_k`` or ``w_v`` or holds one of
+        another shape, ``key`` and ``value`` disagree on ``m``, the leading
+        shapes do not broadcast, or a mask or ``key_lengths`` has another
+        shape.
+        If ``backend=`` names no registered backend, or the inputs lie on
+        two different devices.
+    BackendUnavailableError
+        If the backend that would run the call cannot run here (its library is
+        not installed, or it has no device).
+
     Notes
     -----
     The ``(..., n, m, h)`` intermediate is never held whole: queries go in
@@ -57,11 +77,24 @@ def additive_attention(
     least, through the backend's :meth:`~attnx.Backend.map_chunks` (under
     ``jax.jit``, one ``lax.map``: the traced program holds one chunk).
 
-    Native implementations (:meth:`attnx.Backend.implementations`) are
-    called with the keyword arguments ``query``, ``key``, ``value``,
-    ``params``, ``mask``, ``key_lengths`` and ``return_weights``
-    (:func:`bahdanau_context` calls it too, with one query per sequence),
-    after validation.
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import attnx
+    >>> rng = np.random.default_rng(0)
+    >>> params = {"w_q": rng.standard_normal((8, 4)), "w_k": rng.standard_normal((6, 4)),
+    ...           "w_v": rng.standard_normal(4)}
+    >>> q = rng.standard_normal((2, 3, 8))   # (batch, n, d_query)
+    >>> k = rng.standard_normal((2, 5, 6))   # (batch, m, d_key)
+    >>> v = rng.standard_normal((2, 5, 7))   # (batch, m, d_v)
+    >>> out, weights = attnx.additive_attention(q, k, v, params, key_lengths=np.array([5, 2]),
+    ...                                         return_weights=True)
+    >>> out.shape
+    (2, 3, 7)
+    >>> print(weights[1].round(2))
+    [[0.5  0.5  0.   0.   0.  ]
+     [0.04 0.96 0.   0.   0.  ]
+     [0.15 0.85 0.   0.   0.  ]]
     """
     names = ("query", "key", "value", "mask", "key_lengths", "params['w_q']", "params['w_k']", "params['w_v']")
     getter = params.get if isinstance(params, Mapping) else (lambda name: None)
@@ -202,14 +235,14 @@ def _additive_generic(
 
 
 def bahdanau_context(
-    decoder_state: Any,
-    annotations: Any,
+    decoder_state: Array,
+    annotations: Array,
     params: Mapping[str, Any],
     *,
-    key_lengths: Any = None,
+    key_lengths: Array = None,
     return_weights: bool = False,
     backend: str | None = None,
-) -> Any:
+) -> Array:
     r"""One decoder step of Bahdanau attention: the context vector.
 
     :math:`C_t = \sum_i \alpha_{t,i} h_i` with
@@ -231,6 +264,39 @@ def bahdanau_context(
     -------
     context : array, shape (..., d_h)
     weights : array, shape (..., T), only with ``return_weights=True``
+
+    Raises
+    ------
+    TypeError
+        If an input is not an array of a registered backend, the inputs come
+        from two backends, or ``backend=`` does not own them.
+        If ``params`` holds arrays of another backend or dtype,
+        ``key_lengths`` is not integer, or ``return_weights`` is not ``True``
+        or ``False``.
+    ValueError
+        If ``params`` lacks ``w_q``, ``w_k`` or ``w_v`` or holds one of
+        another shape, or ``decoder_state`` and ``annotations`` disagree on
+        the batch.
+        If ``backend=`` names no registered backend, or the inputs lie on
+        two different devices.
+    BackendUnavailableError
+        If the backend that would run the call cannot run here (its library is
+        not installed, or it has no device).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import attnx
+    >>> rng = np.random.default_rng(0)
+    >>> params = {"w_q": rng.standard_normal((8, 4)), "w_k": rng.standard_normal((6, 4)),
+    ...           "w_v": rng.standard_normal(4)}
+    >>> state = rng.standard_normal((2, 8))            # (batch, d_state)
+    >>> annotations = rng.standard_normal((2, 5, 6))   # (batch, T, d_annotation)
+    >>> context, weights = attnx.bahdanau_context(state, annotations, params, return_weights=True)
+    >>> context.shape, weights.shape
+    ((2, 6), (2, 5))
+    >>> print(weights.sum(-1).round(6))
+    [1. 1.]
     """
     op = "bahdanau_context"
     _checks.require_flag(op, "return_weights", return_weights)

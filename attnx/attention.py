@@ -8,6 +8,7 @@ from typing import Any
 
 from attnx import _checks, _dispatch, _masking, _plans, _tiling, _tracing
 from attnx._tiling import KEY_CHUNK, MIN_ROWS
+from attnx._typing import Array
 
 __all__ = ["masked_softmax", "scaled_dot_product_attention"]
 
@@ -16,18 +17,18 @@ _SDPA_ARGS = ("query", "key", "value", "mask", "key_lengths", "scale")
 
 
 def scaled_dot_product_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: Array,
+    key: Array,
+    value: Array,
     *,
-    mask: Any = None,
-    key_lengths: Any = None,
+    mask: Array = None,
+    key_lengths: Array = None,
     is_causal: bool = False,
-    scale: float | Any | None = None,
+    scale: float | Array | None = None,
     return_weights: bool = False,
     chunk_size: int | tuple[int, int] | None = None,
     backend: str | None = None,
-) -> Any:
+) -> Array:
     r"""Scaled dot-product attention, :math:`\mathrm{softmax}(q k^T s + M) v`.
 
     Parameters
@@ -59,7 +60,7 @@ def scaled_dot_product_attention(
     return_weights : bool
         Also return the attention weights.
     chunk_size : int or (int, int), optional
-        Use the memory-efficient algorithm (:func:`sdpa_chunked`) with this
+        Use the memory-efficient algorithm (an online softmax over blocks) with this
         many queries (and keys) per block and (batch, head) slice.  By
         default it is used when the score matrix would exceed the memory
         budget (:func:`attnx.set_memory_budget`, 4 MiB unless set).  It
@@ -76,23 +77,66 @@ def scaled_dot_product_attention(
     weights : array, shape (..., n, m)
         Only with ``return_weights=True``.
 
+    Raises
+    ------
+    TypeError
+        If an input is not an array of a registered backend, the inputs come
+        from two backends, or ``backend=`` does not own them.
+        If ``query``, ``key`` and ``value`` are not of one real floating dtype,
+        ``mask`` is neither boolean nor real floating, ``key_lengths`` is not
+        integer, a flag is not ``True`` or ``False``, or ``scale`` is not a
+        real number.
+    ValueError
+        If an input has fewer than 2 dimensions, ``d_k`` or ``m`` disagree,
+        the leading shapes do not broadcast, ``mask`` does not broadcast to
+        ``(..., n, m)``, ``key_lengths`` has another shape, or ``chunk_size``
+        is not positive or is combined with ``return_weights=True``; and, on
+        arrays whose values can be read (not traced, not lazy), if a
+        ``key_lengths`` entry lies outside ``[0, m]``, a real mask holds
+        ``+inf`` or NaN, or ``scale`` is not finite in the scores' dtype.
+        If ``backend=`` names no registered backend, or the inputs lie on
+        two different devices.
+    BackendUnavailableError
+        If the backend that would run the call cannot run here (its library is
+        not installed, or it has no device).
+
     Notes
     -----
     All masks combine.  A query with no key left to attend gets zeros as
     output and as weights, never NaN.  Half-precision inputs are computed
     in float32 and returned in their own dtype.
 
-    Native implementations are called with the keyword arguments ``query``,
-    ``key``, ``value``, ``mask``, ``key_lengths``, ``is_causal``, ``scale``
-    (a float, or a 0-d array in the computation's dtype), ``return_weights``,
-    ``chunks`` (None, or the ``(query_chunk, key_chunk)`` per (batch, head)
-    slice the generic algorithm would use: ``chunk_size`` when given),
-    ``batch_shape`` (the broadcast leading shape) and ``chunk_size`` (the
-    user's, None unless given: a native that honours it cuts its blocks so),
-    after validation.  A call without ``mask``, ``key_lengths`` or
-    ``chunk_size`` and with a float or default ``scale`` may be served by
-    its backend's plan for the call's signature
-    (:meth:`attnx.Backend.specialize`): checked once, then reused.
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import attnx
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 5, 8))    # (batch, heads, n, d_k)
+    >>> k = rng.standard_normal((2, 4, 3, 8))    # (batch, heads, m, d_k)
+    >>> v = rng.standard_normal((2, 4, 3, 16))   # (batch, heads, m, d_v)
+    >>> attnx.scaled_dot_product_attention(q, k, v).shape
+    (2, 4, 5, 16)
+
+    Padding and the causal rule combine; a query with no key left to attend
+    gets zeros, never NaN:
+
+    >>> out, weights = attnx.scaled_dot_product_attention(
+    ...     q, k, v, is_causal=True, key_lengths=np.array([3, 2]), return_weights=True)
+    >>> print(weights[1, 0].round(2))
+    [[0.   0.   0.  ]
+     [0.   0.   0.  ]
+     [1.   0.   0.  ]
+     [0.46 0.54 0.  ]
+     [0.44 0.56 0.  ]]
+    >>> print(np.abs(out[1, :, :2]).max())
+    0.0
+
+    Bad input is refused before any work, naming the argument:
+
+    >>> attnx.scaled_dot_product_attention(q, k[..., :4], v)
+    Traceback (most recent call last):
+        ...
+    ValueError: scaled_dot_product_attention: key must have shape (..., m, d_k) with d_k = 8 (from query), got (2, 4, 3, 4)
     """
     signature = None
     if (
@@ -362,13 +406,13 @@ def _empty_attention(xp: Any, query: Any, key: Any, value: Any, batch_shape: Any
 
 
 def masked_softmax(
-    scores: Any,
+    scores: Array,
     *,
-    mask: Any = None,
-    key_lengths: Any = None,
+    mask: Array = None,
+    key_lengths: Array = None,
     axis: int = -1,
     backend: str | None = None,
-) -> Any:
+) -> Array:
     """Numerically stable softmax with attention masks.
 
     Parameters
@@ -388,11 +432,34 @@ def masked_softmax(
         where every entry is masked (scores of ``-inf`` mask too, as an
         additive mask's do).
 
-    Notes
-    -----
-    Native implementations (:meth:`attnx.Backend.implementations`) are
-    called with the keyword arguments ``scores``, ``mask``, ``key_lengths``
-    and ``axis`` (made non-negative), after validation.
+    Raises
+    ------
+    TypeError
+        If an input is not an array of a registered backend, the inputs come
+        from two backends, or ``backend=`` does not own them.
+        If ``scores`` is not real floating, ``mask`` is neither boolean
+        nor of the scores' dtype, or ``key_lengths`` is not integer.
+    ValueError
+        If ``axis`` is out of range, ``mask`` does not broadcast to the
+        scores, ``key_lengths`` has another shape, or (on concrete arrays) a
+        length lies outside ``[0, m]`` or a real mask holds ``+inf`` or NaN.
+        If ``backend=`` names no registered backend, or the inputs lie on
+        two different devices.
+    BackendUnavailableError
+        If the backend that would run the call cannot run here (its library is
+        not installed, or it has no device).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import attnx
+    >>> scores = np.array([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    >>> print(attnx.masked_softmax(scores, key_lengths=np.array([2, 0])).round(3))
+    [[0.269 0.731 0.   ]
+     [0.    0.    0.   ]]
+    >>> print(attnx.masked_softmax(scores, mask=np.array([True, True, False])).round(3))
+    [[0.269 0.731 0.   ]
+     [0.5   0.5   0.   ]]
     """
     operation = "masked_softmax"
     chosen, reason = _dispatch.resolve(

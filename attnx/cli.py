@@ -125,7 +125,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         import hypothesis  # noqa: F401
         import pytest
     except ImportError as exc:
-        args.parser.error(f"needs the test extra: pip install 'attnx[test]' ({exc})")
+        args.parser.error(f"needs the test extra: pip install '.[test]' in attnx's clone ({exc})")
     from attnx_conformance.plugin import selection_problem
 
     problem = selection_problem(args.names, args.device, args.allow_unavailable, flag="--allow-unavailable")
@@ -194,7 +194,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.dask_workers and "dask" not in args.backends:
         args.parser.error("argument --dask-workers: it runs the dask backend; add dask to --backends")
     if args.dask_workers and importlib.util.find_spec("distributed") is None:
-        args.parser.error("argument --dask-workers: it needs dask.distributed (pip install 'attnx[dask]')")
+        args.parser.error("argument --dask-workers: it needs dask.distributed (pip install '.[dask]' in attnx's clone)")
     _check_bench_arguments(args)
     from pathlib import Path
 
@@ -257,7 +257,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         + "".join(f", {p}" for p in plots)
     )
     if not plots:
-        print("(no plots: pip install 'attnx[bench]' for matplotlib)")
+        print("(no plots: pip install '.[bench]' in attnx's clone for matplotlib)")
     print(
         "Read it: 'x fastest baseline' is the time over the fastest baseline at the same size "
         "(below 1 = faster); the time plot's slope near 2 is attention's O(n^2)."

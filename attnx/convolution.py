@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from attnx import _checks, _dispatch
+from attnx._typing import Array
 
 __all__ = ["causal_conv1d", "receptive_field"]
 
@@ -13,8 +14,8 @@ _CONV = "causal_conv1d"
 
 
 def causal_conv1d(
-    x: Any, weight: Any, bias: Any = None, *, stride: int = 1, dilation: int = 1, backend: str | None = None
-) -> Any:
+    x: Array, weight: Array, bias: Array = None, *, stride: int = 1, dilation: int = 1, backend: str | None = None
+) -> Array:
     """Dilated causal 1-D convolution (cross-correlation, as PyTorch's).
 
     The input is left-padded with ``(kernel_size - 1) * dilation`` zeros, so
@@ -33,11 +34,36 @@ def causal_conv1d(
     -------
     array, shape (..., c_out, ceil(length / stride))
 
-    Notes
-    -----
-    Native implementations (:meth:`attnx.Backend.implementations`) are
-    called with the keyword arguments ``x``, ``weight``, ``bias``,
-    ``stride`` and ``dilation``, after validation.
+    Raises
+    ------
+    TypeError
+        If an input is not an array of a registered backend, the inputs come
+        from two backends, or ``backend=`` does not own them.
+        If ``weight`` or ``bias`` is of another backend or dtype, or
+        ``stride`` or ``dilation`` is not an integer.
+    ValueError
+        If ``weight`` is not ``(c_out, c_in, kernel_size)``, ``x`` is not
+        ``(..., c_in, length)``, ``bias`` is not ``(c_out,)``, or ``stride`` or
+        ``dilation`` is not positive.
+        If ``backend=`` names no registered backend, or the inputs lie on
+        two different devices.
+    BackendUnavailableError
+        If the backend that would run the call cannot run here (its library is
+        not installed, or it has no device).
+
+    Examples
+    --------
+    Each output sees only the present and the past; with ``dilation`` the
+    kernel's taps lie ``dilation`` steps apart:
+
+    >>> import numpy as np
+    >>> import attnx
+    >>> x = np.arange(8.0).reshape(1, 1, 8)              # (batch, c_in, length)
+    >>> weight = np.array([[[1.0, 0.0, 0.0]]])          # takes x[t - 2 * dilation]
+    >>> print(attnx.causal_conv1d(x, weight, dilation=2))
+    [[[0. 0. 0. 0. 0. 1. 2. 3.]]]
+    >>> attnx.receptive_field(2, [1, 2, 4, 8])           # WaveNet's stack of 4
+    16
     """
     chosen, reason = _dispatch.resolve(_CONV, backend, ("x", "weight", "bias"), (x, weight, bias), 2)
     xp = chosen.xp
@@ -104,6 +130,22 @@ def receptive_field(kernel_size: int | Sequence[int], dilations: Sequence[int]) 
 
     ``1 + sum_l (kernel_size_l - 1) * dilation_l``: how many consecutive
     inputs one output depends on.
+
+    Raises
+    ------
+    ValueError
+        If ``kernel_size`` or a dilation is not a positive integer.
+
+    Parameters
+    ----------
+    kernel_size : int or sequence of int
+        The kernel size of every layer, or one per layer.
+    dilations : sequence of int
+        The dilation of each layer.
+
+    Returns
+    -------
+    int
 
     Examples
     --------

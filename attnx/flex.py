@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnx import _checks, _dispatch, _masking, _tiling, _tracing
+from attnx._typing import Array, Device
 from attnx.attention import choose_chunks
 
 __all__ = ["BlockMask", "and_masks", "create_block_mask", "flex_attention", "or_masks"]
@@ -67,6 +68,19 @@ class BlockMask:
         or :data:`FULL` (2) for each block.
     backend : str
         The backend that made it, whose arrays it is used with.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> from attnx import mods
+    >>> block_mask = attnx.create_block_mask(mods.causal, None, None, 512, 512)
+    >>> block_mask.shape, block_mask.block_size
+    ((None, None, 512, 512), (128, 128))
+    >>> print(block_mask.kinds[0, 0])   # 0 empty (skipped), 1 partial (masked), 2 full
+    [[1 0 0 0]
+     [2 1 0 0]
+     [2 2 1 0]
+     [2 2 2 1]]
     """
 
     def __init__(
@@ -75,7 +89,7 @@ class BlockMask:
         mask_mod: MaskMod,
         shape: tuple[int | None, int | None, int, int],
         block_size: tuple[int, int],
-        kinds: Any,
+        kinds: Array,
         backend: str,
         plan: list[list[list[tuple[tuple[int, int], ...]]]] | None,
     ) -> None:
@@ -166,7 +180,34 @@ class BlockMask:
 
 
 def and_masks(*mask_mods: MaskMod) -> MaskMod:
-    """A ``mask_mod`` that attends where every one of ``mask_mods`` does."""
+    """A ``mask_mod`` that attends where every one of ``mask_mods`` does.
+
+    Parameters
+    ----------
+    *mask_mods : callable ``(b, h, q_idx, kv_idx) -> bool array``
+
+    Returns
+    -------
+    callable
+        A ``mask_mod``.
+
+    Raises
+    ------
+    TypeError
+        If a mod is not callable.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import attnx
+    >>> from attnx import mods
+    >>> local = attnx.and_masks(mods.causal, mods.sliding_window(1))
+    >>> print(local(0, 0, np.arange(4)[:, None], np.arange(4)[None, :]).astype(int))
+    [[1 0 0 0]
+     [1 1 0 0]
+     [0 1 1 0]
+     [0 0 1 1]]
+    """
     _require_mods("and_masks", mask_mods)
 
     def both(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -179,7 +220,33 @@ def and_masks(*mask_mods: MaskMod) -> MaskMod:
 
 
 def or_masks(*mask_mods: MaskMod) -> MaskMod:
-    """A ``mask_mod`` that attends where any one of ``mask_mods`` does."""
+    """A ``mask_mod`` that attends where any one of ``mask_mods`` does.
+
+    Parameters
+    ----------
+    *mask_mods : callable ``(b, h, q_idx, kv_idx) -> bool array``
+
+    Returns
+    -------
+    callable
+        A ``mask_mod``.
+
+    Raises
+    ------
+    TypeError
+        If a mod is not callable.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import attnx
+    >>> from attnx import mods
+    >>> first_or_causal = attnx.or_masks(mods.causal, lambda b, h, q_idx, kv_idx: kv_idx == 0)
+    >>> print(first_or_causal(0, 0, np.arange(3)[:, None], np.arange(3)[None, :]).astype(int))
+    [[1 0 0]
+     [1 1 0]
+     [1 1 1]]
+    """
     _require_mods("or_masks", mask_mods)
 
     def either(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -249,7 +316,7 @@ def create_block_mask(
     *,
     block_size: int | tuple[int, int] = 128,
     backend: str | None = None,
-    device: Any = None,
+    device: Device = None,
 ) -> BlockMask:
     """Evaluate ``mask_mod`` once, tile by tile, and record which blocks are
     empty, full or partial.
@@ -278,10 +345,31 @@ def create_block_mask(
         ceil(KV_LEN / kv_block))``; ``B`` or ``H`` is 1 also where the
         ``mask_mod`` does not depend on ``b`` or ``h``.
 
+    Raises
+    ------
+    TypeError
+        If ``mask_mod`` is not callable, fails on a tile, or returns anything
+        but a boolean array; or a size is not an integer.
+    ValueError
+        If a size or ``block_size`` is not positive, the mod's result does not
+        broadcast to the tile, or ``backend=`` names no registered backend.
+    BackendUnavailableError
+        If the backend cannot run here.
+
     Notes
     -----
     The mod is evaluated on every query and key, in tiles of a whole number
     of blocks within the memory budget: O(Q_LEN * KV_LEN) work, once.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> from attnx import mods
+    >>> block_mask = attnx.create_block_mask(mods.sliding_window(128), None, None, 1024, 1024)
+    >>> block_mask
+    BlockMask(shape=(None, None, 1024, 1024), block_size=(128, 128), sparsity=76.6%)
+    >>> block_mask.kinds.shape   # (B or 1, H or 1, query blocks, key blocks): 0 empty, 1 partial, 2 full
+    (1, 1, 8, 8)
     """
     operation = _CREATE
     if not callable(mask_mod):
@@ -468,17 +556,17 @@ def _four_dimensional(xp: Any, array: Any) -> Any:
 
 
 def flex_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: Array,
+    key: Array,
+    value: Array,
     score_mod: ScoreMod | None = None,
     block_mask: BlockMask | None = None,
     *,
-    scale: float | Any | None = None,
+    scale: float | Array | None = None,
     enable_gqa: bool = False,
     return_weights: bool = False,
     backend: str | None = None,
-) -> Any:
+) -> Array:
     r"""Attention with programmable scores and masks:
     :math:`\mathrm{softmax}(\mathrm{score\_mod}(q k^T s)\ \mathrm{masked}) v`.
 
@@ -511,6 +599,27 @@ def flex_attention(
     weights : array, shape (B, H, n, m)
         Only with ``return_weights=True``.
 
+    Raises
+    ------
+    TypeError
+        If an input is not an array of a registered backend, the inputs come
+        from two backends, or ``backend=`` does not own them.
+        If the inputs are not of one real floating dtype, ``score_mod`` is
+        not callable, fails on a tile or returns scores of another dtype,
+        ``block_mask`` is not a :class:`BlockMask` of the inputs' backend, or
+        a flag is not ``True`` or ``False``.
+    ValueError
+        If an input is not 4-dimensional, the sizes disagree (``d``, ``m``,
+        ``H`` not a multiple of ``H_kv`` with ``enable_gqa``), ``block_mask``
+        was made for other sizes or for ``B=None`` (``H=None``) with a
+        ``mask_mod`` that reads ``b`` (``h``), a mod of :mod:`attnx.mods` was
+        made for other sizes, or ``scale`` is not finite.
+        If ``backend=`` names no registered backend, or the inputs lie on
+        two different devices.
+    BackendUnavailableError
+        If the backend that would run the call cannot run here (its library is
+        not installed, or it has no device).
+
     Notes
     -----
     A query with no key to attend (every key masked by ``block_mask``, or
@@ -524,10 +633,25 @@ def flex_attention(
     block mask made with ``B=None`` or ``H=None`` whose ``mask_mod`` reads
     ``b`` or ``h``.
 
-    Native implementations are called with the keyword arguments ``query``,
-    ``key``, ``value``, ``score_mod``, ``block_mask``, ``scale`` (a float, or
-    a 0-d array in the computation's dtype), ``enable_gqa`` and
-    ``return_weights``, after validation.
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import attnx
+    >>> from attnx import mods
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 256, 16), dtype=np.float32) for _ in range(3))
+    >>> window = attnx.create_block_mask(mods.sliding_window(32), None, None, 256, 256, block_size=64)
+    >>> out = attnx.flex_attention(q, k, v, mods.soft_cap(20.0), window)
+    >>> out.shape
+    (1, 2, 256, 16)
+
+    The same call, checked against the dense softmax with the window as a mask:
+
+    >>> scores = 20.0 * np.tanh(q @ k.swapaxes(-1, -2) / 4.0 / 20.0)
+    >>> scores[..., ~attnx.masks.sliding_window(256, window=32)] = -np.inf
+    >>> weights = np.exp(scores - scores.max(-1, keepdims=True))
+    >>> bool(np.allclose(out, weights / weights.sum(-1, keepdims=True) @ v, atol=1e-5))
+    True
     """
     operation = _FLEX
     if block_mask is not None and not isinstance(block_mask, BlockMask):

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnx import _checks, _dispatch, _masking, _tiling, blocks
+from attnx._typing import Array
 
 __all__ = ["KERNELS", "combine_states_along", "finish_state", "kernel_state", "nadaraya_watson"]
 
@@ -37,15 +38,15 @@ KERNELS: dict[str, Callable[[Any, Any], Any]] = {
 
 
 def nadaraya_watson(
-    queries: Any,
-    keys: Any,
-    values: Any,
+    queries: Array,
+    keys: Array,
+    values: Array,
     *,
     kernel: str | Callable[[Any], Any] = "gaussian",
-    bandwidth: float | Any = 1.0,
+    bandwidth: float | Array = 1.0,
     return_weights: bool = False,
     backend: str | None = None,
-) -> Any:
+) -> Array:
     r"""Nadaraya-Watson kernel regression.
 
     .. math:: f(q) = \sum_i \frac{K((q - k_i)/b)}{\sum_j K((q - k_j)/b)} v_i
@@ -74,6 +75,24 @@ def nadaraya_watson(
     weights : array, shape (n, m), only with ``return_weights=True``
         In the inputs' dtype; half precision is computed in float32.
 
+    Raises
+    ------
+    TypeError
+        If an input is not an array of a registered backend, the inputs come
+        from two backends, or ``backend=`` does not own them.
+        If ``bandwidth`` is not a real number or 0-d array, or ``kernel`` is
+        neither a name nor a callable.
+    ValueError
+        If ``kernel`` names no kernel, ``bandwidth`` is not positive and
+        finite (on concrete values), or the shapes disagree: ``queries``
+        ``(n,)`` or ``(n, d)`` with ``keys`` of the same ``d``, ``values``
+        with ``m`` rows.
+        If ``backend=`` names no registered backend, or the inputs lie on
+        two different devices.
+    BackendUnavailableError
+        If the backend that would run the call cannot run here (its library is
+        not installed, or it has no device).
+
     Notes
     -----
     The kernel is made a chunk of queries at a time: chunks whose kernel
@@ -97,10 +116,19 @@ def nadaraya_watson(
     of the nearest, where keys tie) as the bandwidth shrinks, however far
     below the distances it goes: no scaled distance is squared.
 
-    Native implementations (:meth:`attnx.Backend.implementations`) are
-    called with the keyword arguments ``queries``, ``keys``, ``values``,
-    ``kernel`` (a name or the callable), ``bandwidth`` (a float or a 0-d
-    array) and ``return_weights``, after validation.
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import attnx
+    >>> x_train = np.linspace(0, 5, 50)
+    >>> y_train = np.sin(x_train)
+    >>> fit = attnx.nadaraya_watson(np.array([1.0, 2.0, 3.0]), x_train, y_train, bandwidth=0.2)
+    >>> print(fit.round(3), np.sin([1.0, 2.0, 3.0]).round(3))
+    [0.825 0.891 0.138] [0.841 0.909 0.141]
+    >>> attnx.nadaraya_watson(np.array([1.0]), x_train, y_train, bandwidth=-1.0)
+    Traceback (most recent call last):
+        ...
+    ValueError: nadaraya_watson: bandwidth must be positive and finite, got -1.0
     """
     names = ("queries", "keys", "values", "bandwidth")
     bandwidth_array = None if isinstance(bandwidth, (int, float)) else bandwidth  # a number needs no backend

@@ -26,6 +26,7 @@ import math
 from typing import Any
 
 from attnx import _checks, _dispatch, _masking
+from attnx._typing import Array, Device, DType
 from attnx.flex import for_sizes
 
 __all__ = [
@@ -41,14 +42,60 @@ __all__ = [
 ]
 
 
-def causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-    """``mask_mod``: a query attends the keys at or before its position."""
+def causal(b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Any:
+    """``mask_mod``: a query attends the keys at or before its position.
+
+    Parameters
+    ----------
+    b, h, q_idx, kv_idx : integer arrays
+        The batch entry, head, query and key of each score, broadcasting
+        against a tile of scores.
+
+    Returns
+    -------
+    array of bool
+        ``q_idx >= kv_idx``.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> from attnx import mods
+    >>> print(attnx.create_block_mask(mods.causal, None, None, 256, 256, block_size=64))
+    BlockMask(shape=(None, None, 256, 256), block_size=(64, 64), sparsity=37.5%)
+    """
     return _masking.causal_rule(q_idx, kv_idx)
 
 
 def sliding_window(window: int) -> Any:
     """``mask_mod``: causal, and at most ``window`` keys back (the key at
-    ``q_idx - window`` included), as :func:`attnx.masks.sliding_window`."""
+    ``q_idx - window`` included), as :func:`attnx.masks.sliding_window`.
+
+    Parameters
+    ----------
+    window : int
+        Keys back from the query's own position that it may attend.
+
+    Returns
+    -------
+    callable
+        A ``mask_mod`` for :func:`attnx.create_block_mask`.
+
+    Raises
+    ------
+    ValueError
+        If ``window`` is not a non-negative integer.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnx import mods
+    >>> mask_mod = mods.sliding_window(1)
+    >>> print(mask_mod(0, 0, np.arange(4)[:, None], np.arange(4)[None, :]).astype(int))
+    [[1 0 0 0]
+     [1 1 0 0]
+     [0 1 1 0]
+     [0 0 1 1]]
+    """
     window = _checks.require_positive_int("sliding_window", "window", window, allow_zero=True)
 
     def sliding_window_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -57,7 +104,7 @@ def sliding_window(window: int) -> Any:
     return sliding_window_mask
 
 
-def document(document_ids: Any) -> Any:
+def document(document_ids: Array) -> Any:
     """``mask_mod`` for packed sequences: a query attends keys of its own
     document only.
 
@@ -67,6 +114,30 @@ def document(document_ids: Any) -> Any:
         The document of each position (one row per batch entry, or one for
         all), of the inputs' backend.  Combine with :func:`causal` through
         :func:`attnx.and_masks` for causal packed sequences.
+
+    Returns
+    -------
+    callable
+        A ``mask_mod`` for :func:`attnx.create_block_mask`.
+
+    Raises
+    ------
+    TypeError
+        If ``document_ids`` is not an integer array of a registered backend.
+    ValueError
+        If ``document_ids`` has neither 1 nor 2 dimensions.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnx import mods
+    >>> same_document = mods.document(np.array([0, 0, 1, 1, 1]))
+    >>> print(same_document(0, 0, np.arange(5)[:, None], np.arange(5)[None, :]).astype(int))
+    [[1 1 0 0 0]
+     [1 1 0 0 0]
+     [0 0 1 1 1]
+     [0 0 1 1 1]
+     [0 0 1 1 1]]
     """
     _require_integer_array("document", "document_ids", document_ids, (1, 2))
     positions = ("document", "document_ids", "positions", document_ids.shape[-1])
@@ -83,7 +154,7 @@ def document(document_ids: Any) -> Any:
     return for_sizes(same_document_per_entry, positions, ("document", "document_ids", "B", document_ids.shape[0]))
 
 
-def document_from_lengths(lengths: Any, n: int) -> Any:
+def document_from_lengths(lengths: Array, n: int) -> Any:
     """:func:`document` for documents of ``lengths`` packed one after the
     other in ``n`` positions (positions past their sum form one more
     document).
@@ -93,6 +164,31 @@ def document_from_lengths(lengths: Any, n: int) -> Any:
     lengths : integer array, shape (num_documents,)
     n : int
         Positions (queries and keys).
+
+    Returns
+    -------
+    callable
+        A ``mask_mod`` for :func:`attnx.create_block_mask`.
+
+    Raises
+    ------
+    TypeError
+        If ``lengths`` is not an integer array of a registered backend.
+    ValueError
+        If ``lengths`` is not 1-dimensional, or ``n`` is not a positive integer.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import attnx
+    >>> from attnx import mods
+    >>> packed = attnx.and_masks(mods.causal, mods.document_from_lengths(np.array([2, 3]), 5))
+    >>> print(packed(0, 0, np.arange(5)[:, None], np.arange(5)[None, :]).astype(int))
+    [[1 0 0 0 0]
+     [1 1 0 0 0]
+     [0 0 1 0 0]
+     [0 0 1 1 0]
+     [0 0 1 1 1]]
     """
     _require_integer_array("document_from_lengths", "lengths", lengths, (1,))
     n = _checks.require_positive_int("document_from_lengths", "n", n)
@@ -103,11 +199,41 @@ def document_from_lengths(lengths: Any, n: int) -> Any:
     return for_sizes(mod, ("document_from_lengths", "n", "positions", n))
 
 
-def prefix_lm(prefix_length: int | Any) -> Any:
+def prefix_lm(prefix_length: int | Array) -> Any:
     """``mask_mod`` of a prefix language model: the first ``prefix_length``
     keys are attended by every query (bidirectional), the rest causally.
     ``prefix_length`` is an int, or an integer array ``(B,)`` of one per
-    batch entry."""
+    batch entry.
+
+    Parameters
+    ----------
+    prefix_length : int or integer array, shape (B,)
+        Keys every query attends.
+
+    Returns
+    -------
+    callable
+        A ``mask_mod`` for :func:`attnx.create_block_mask`; with an array, for
+        a block mask made with ``B`` given.
+
+    Raises
+    ------
+    TypeError
+        If ``prefix_length`` is neither an int nor an integer array.
+    ValueError
+        If ``prefix_length`` is negative, or an array of other than one dimension.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnx import mods
+    >>> prefix = mods.prefix_lm(2)
+    >>> print(prefix(0, 0, np.arange(4)[:, None], np.arange(4)[None, :]).astype(int))
+    [[1 1 0 0]
+     [1 1 0 0]
+     [1 1 1 0]
+     [1 1 1 1]]
+    """
     if hasattr(prefix_length, "shape"):
         _require_integer_array("prefix_lm", "prefix_length", prefix_length, (1,))
 
@@ -123,7 +249,7 @@ def prefix_lm(prefix_length: int | Any) -> Any:
     return prefix_mask
 
 
-def alibi(slopes: Any) -> Any:
+def alibi(slopes: Array) -> Any:
     """``score_mod`` of ALiBi (Press et al. 2022): adds ``slope[h] * (kv_idx -
     q_idx)``, a penalty growing with the distance to past keys.
 
@@ -132,6 +258,29 @@ def alibi(slopes: Any) -> Any:
     slopes : real array, shape (H,)
         One slope per head (:func:`alibi_slopes`), of the inputs' backend
         and dtype; gradients reach it where the backend has autograd.
+
+    Returns
+    -------
+    callable
+        A ``score_mod`` for :func:`attnx.flex_attention`, for ``H`` heads.
+
+    Raises
+    ------
+    TypeError
+        If ``slopes`` is not an array of a registered backend.
+    ValueError
+        If ``slopes`` is not 1-dimensional.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import attnx
+    >>> from attnx import mods
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 4, 6, 8), dtype=np.float32) for _ in range(3))
+    >>> causal = attnx.create_block_mask(mods.causal, None, None, 6, 6)
+    >>> attnx.flex_attention(q, k, v, mods.alibi(mods.alibi_slopes(4)), causal).shape
+    (1, 4, 6, 8)
     """
     _require_array("alibi", "slopes", slopes, (1,))
 
@@ -142,11 +291,39 @@ def alibi(slopes: Any) -> Any:
     return for_sizes(alibi_bias, ("alibi", "slopes", "H", slopes.shape[0]))
 
 
-def alibi_slopes(num_heads: int, *, dtype: Any = "float32", backend: str | None = None, device: Any = None) -> Any:
+def alibi_slopes(
+    num_heads: int, *, dtype: DType = "float32", backend: str | None = None, device: Device = None
+) -> Array:
     """The ALiBi slopes of ``num_heads`` heads, ``(num_heads,)``: the
     geometric sequence ``2**(-8 / p), 2**(-16 / p), ...`` for the power of
     two ``p`` at or above ``num_heads``, interleaved as in the paper's code
-    when ``num_heads`` is not a power of two."""
+    when ``num_heads`` is not a power of two.
+
+    Parameters
+    ----------
+    num_heads : int
+    dtype : dtype or str
+        float32 by default.
+    backend, device : optional
+        Where to make the slopes; the current backend by default.
+
+    Returns
+    -------
+    array, shape (num_heads,)
+
+    Raises
+    ------
+    TypeError
+        If ``dtype`` is not a real floating dtype of the backend.
+    ValueError
+        If ``num_heads`` is not a positive integer.
+
+    Examples
+    --------
+    >>> from attnx import mods
+    >>> print(mods.alibi_slopes(4))
+    [0.25       0.0625     0.015625   0.00390625]
+    """
     operation = "alibi_slopes"
     num_heads = _checks.require_positive_int(operation, "num_heads", num_heads)
     chosen, _, device = _dispatch.resolve_creation(operation, backend, device)
@@ -160,7 +337,30 @@ def alibi_slopes(num_heads: int, *, dtype: Any = "float32", backend: str | None 
 
 def soft_cap(cap: float) -> Any:
     """``score_mod`` that caps the scores smoothly: ``cap * tanh(score / cap)``
-    (Gemma 2, Grok)."""
+    (Gemma 2, Grok).
+
+    Parameters
+    ----------
+    cap : float
+        The largest magnitude a score approaches.
+
+    Returns
+    -------
+    callable
+        A ``score_mod`` for :func:`attnx.flex_attention`.
+
+    Raises
+    ------
+    ValueError
+        If ``cap`` is not a positive finite number.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnx import mods
+    >>> print(mods.soft_cap(5.0)(np.array([1.0, 10.0, 100.0]), 0, 0, 0, 0).round(3))
+    [0.987 4.82  5.   ]
+    """
     cap = _checks.require_positive_real("soft_cap", "cap", cap)
 
     def capped(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -169,7 +369,7 @@ def soft_cap(cap: float) -> Any:
     return capped
 
 
-def relative_bias(table: Any) -> Any:
+def relative_bias(table: Array) -> Any:
     """``score_mod`` that adds a learned bias of the relative position:
     ``table[..., clip(q_idx - kv_idx, -R, R) + R]`` (Shaw et al. 2018:
     distances beyond ``R`` share the bias of ``R``).
@@ -178,6 +378,30 @@ def relative_bias(table: Any) -> Any:
     ----------
     table : real array, shape (2R + 1,) or (H, 2R + 1)
         One bias per distance (per head), of the inputs' backend and dtype.
+
+    Returns
+    -------
+    callable
+        A ``score_mod`` for :func:`attnx.flex_attention`.
+
+    Raises
+    ------
+    TypeError
+        If ``table`` is not an array of a registered backend.
+    ValueError
+        If ``table`` has neither 1 nor 2 dimensions, or an even last axis.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnx import mods
+    >>> bias = mods.relative_bias(np.array([-1.0, 0.0, 1.0]))   # R = 1: distances -1, 0, 1
+    >>> scores = np.zeros((4, 4))
+    >>> print(bias(scores, 0, 0, np.arange(4)[:, None], np.arange(4)[None, :]))
+    [[ 0. -1. -1. -1.]
+     [ 1.  0. -1. -1.]
+     [ 1.  1.  0. -1.]
+     [ 1.  1.  1.  0.]]
     """
     _require_array("relative_bias", "table", table, (1, 2))
     reach = (table.shape[-1] - 1) // 2

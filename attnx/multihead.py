@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from attnx import _checks, _dispatch, _masking, _params
+from attnx._typing import Array, Device, DType
 from attnx.attention import scaled_dot_product_attention
 
 __all__ = ["MultiHeadAttention", "init_multi_head_params", "multi_head_attention"]
@@ -18,22 +19,22 @@ _EXTRA_KV = ("bias_k", "bias_v")
 
 
 def multi_head_attention(
-    query: Any,
-    key: Any,
-    value: Any,
+    query: Array,
+    key: Array,
+    value: Array,
     params: Mapping[str, Any],
     *,
     num_heads: int,
     num_kv_heads: int | None = None,
-    mask: Any = None,
-    key_lengths: Any = None,
+    mask: Array = None,
+    key_lengths: Array = None,
     is_causal: bool = False,
     return_weights: bool = False,
     average_weights: bool = True,
     add_zero_attn: bool = False,
     chunk_size: int | tuple[int, int] | None = None,
     backend: str | None = None,
-) -> Any:
+) -> Array:
     """Multi-head attention (Vaswani et al. 2017), with grouped-query heads.
 
     Each head ``i`` computes scaled dot-product attention of the projected
@@ -90,15 +91,39 @@ def multi_head_attention(
     weights : array, shape (..., n, m) or (..., h, n, m)
         Only with ``return_weights=True``.
 
-    Notes
-    -----
-    Native implementations (:meth:`attnx.Backend.implementations`) are
-    called with the keyword arguments ``query``, ``key``, ``value``,
-    ``params``, ``layout``, ``mask``, ``mask_per_head``, ``key_lengths``,
-    ``is_causal``, ``return_weights``, ``average_weights``,
-    ``add_zero_attn`` and ``chunk_size`` (the user's), after validation.
-    The generic algorithm's attention goes through
-    :func:`attnx.scaled_dot_product_attention`, natives included.
+    Raises
+    ------
+    TypeError
+        If an input is not an array of a registered backend, the inputs come
+        from two backends, or ``backend=`` does not own them.
+        If ``params`` is not a mapping of arrays of the inputs' backend and
+        dtype, or a flag is not ``True`` or ``False``.
+    ValueError
+        If ``params`` lacks ``w_q``, ``w_k`` or ``w_v`` or holds one of another
+        shape, ``num_heads`` does not divide the projections' width,
+        ``num_kv_heads`` does not divide ``num_heads``, the inputs' feature
+        sizes disagree with the weights, or a mask or ``key_lengths`` has
+        another shape (as in :func:`scaled_dot_product_attention`).
+        If ``backend=`` names no registered backend, or the inputs lie on
+        two different devices.
+    BackendUnavailableError
+        If the backend that would run the call cannot run here (its library is
+        not installed, or it has no device).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import attnx
+    >>> params = attnx.init_multi_head_params(16, 4, num_kv_heads=2, seed=0, dtype="float64")
+    >>> x = np.random.default_rng(0).standard_normal((2, 5, 16))   # (batch, n, d_model)
+    >>> out, weights = attnx.multi_head_attention(x, x, x, params, num_heads=4, num_kv_heads=2,
+    ...                                           is_causal=True, return_weights=True)
+    >>> out.shape, weights.shape   # weights averaged over heads, as PyTorch's
+    ((2, 5, 16), (2, 5, 5))
+    >>> attnx.multi_head_attention(x, x, x, params, num_heads=3, num_kv_heads=2)
+    Traceback (most recent call last):
+        ...
+    ValueError: multi_head_attention: num_kv_heads must divide num_heads = 3, got 2
     """
     entries = _WEIGHTS + _BIASES + _EXTRA_KV
     arrays = (
@@ -303,9 +328,9 @@ def init_multi_head_params(
     num_kv_heads: int | None = None,
     bias: bool = True,
     seed: int = 0,
-    dtype: Any = None,
+    dtype: DType = None,
     backend: str | None = None,
-    device: Any = None,
+    device: Device = None,
 ) -> dict[str, Any]:
     """Parameters for :func:`multi_head_attention`, Xavier-uniform like PyTorch.
 
@@ -331,6 +356,30 @@ def init_multi_head_params(
     -------
     dict of str to array
         ``w_q, w_k, w_v, w_o`` and, with ``bias=True``, ``b_q, b_k, b_v, b_o``.
+
+    Raises
+    ------
+    TypeError
+        If ``dtype`` is not a real floating dtype of the backend, or a size
+        is not an integer.
+    ValueError
+        If a size is not positive, or ``num_heads`` does not divide
+        ``d_model`` and no ``d_k`` and ``d_v`` are given, or ``num_kv_heads``
+        does not divide ``num_heads``.
+    BackendUnavailableError
+        If the backend that would run the call cannot run here (its library is
+        not installed, or it has no device).
+
+    Examples
+    --------
+    >>> import attnx
+    >>> params = attnx.init_multi_head_params(16, 4, seed=0)
+    >>> {name: tuple(array.shape) for name, array in sorted(params.items())}
+    {'b_k': (16,), 'b_o': (16,), 'b_q': (16,), 'b_v': (16,), 'w_k': (16, 16), 'w_o': (16, 16), 'w_q': (16, 16), 'w_v': (16, 16)}
+    >>> attnx.init_multi_head_params(15, 4)
+    Traceback (most recent call last):
+        ...
+    ValueError: init_multi_head_params: num_heads = 4 must divide d_model = 15, or pass d_k and d_v
     """
     op = "init_multi_head_params"
     _checks.require_flag(op, "bias", bias)
@@ -380,6 +429,12 @@ class MultiHeadAttention:
     num_heads, num_kv_heads : int
     batch_first, add_zero_attn : bool
 
+    Raises
+    ------
+    ValueError
+        As :func:`init_multi_head_params` when making the parameters, and as
+        :func:`multi_head_attention` when called.
+
     Examples
     --------
     Load a ``torch.nn.MultiheadAttention`` and get its outputs (its masks are
@@ -388,6 +443,18 @@ class MultiHeadAttention:
         torch_mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
         mha = attnx.MultiHeadAttention.from_torch(torch_mha)
         mha(x)  # == torch_mha(x, x, x, need_weights=False)[0]
+
+    Self-attention on NumPy, and the same module's weights:
+
+    >>> import numpy as np
+    >>> import attnx
+    >>> mha = attnx.MultiHeadAttention(16, 4, seed=0, dtype="float64")
+    >>> x = np.random.default_rng(0).standard_normal((2, 5, 16))
+    >>> mha(x).shape
+    (2, 5, 16)
+    >>> out, weights = mha(x, return_weights=True, is_causal=True)
+    >>> print(weights[0, 1].round(2))
+    [0.58 0.42 0.   0.   0.  ]
     """
 
     def __init__(
@@ -398,7 +465,7 @@ class MultiHeadAttention:
         params: Mapping[str, Any] | None = None,
         batch_first: bool = True,
         add_zero_attn: bool = False,
-        **init: Any,
+        **init: Array,
     ) -> None:
         op = "MultiHeadAttention"
         self.num_heads = num_heads
@@ -445,7 +512,7 @@ class MultiHeadAttention:
             add_zero_attn=bool(module.add_zero_attn),
         )
 
-    def __call__(self, query: Any, key: Any = None, value: Any = None, **kwargs: Any) -> Any:
+    def __call__(self, query: Array, key: Array = None, value: Array = None, **kwargs: Array) -> Array:
         key = query if key is None else key
         value = key if value is None else value
         kwargs.setdefault("num_kv_heads", self.num_kv_heads)

@@ -1,30 +1,69 @@
-"""Looking at attention weights (needs matplotlib: ``pip install 'attnx[plot]'``)."""
+"""Looking at attention weights (needs matplotlib: ``pip install '.[plot]'`` from a clone)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attnx import _checks
+from attnx._typing import Array
+
+if TYPE_CHECKING:  # matplotlib is imported when a plot is drawn, not with attnx
+    import matplotlib.axes
 
 __all__ = ["attention_heatmap", "block_mask"]
 
 
 def attention_heatmap(
-    weights: Any,
+    weights: Array,
     *,
     queries: Sequence[str] | None = None,
     keys: Sequence[str] | None = None,
-    ax: Any = None,
+    ax: matplotlib.axes.Axes | None = None,
     title: str | None = None,
     cmap: str = "viridis",
     colorbar: bool = True,
-) -> Any:
+) -> matplotlib.axes.Axes:
     """Draw ``weights (n, m)`` (any backend's array) as a heatmap.
 
     Rows are queries, columns keys; ``queries``/``keys`` label them.  Without
     ``ax``, a new figure gives each weight 0.4 inch and the labels an inch.
     Returns the matplotlib ``Axes``.
+
+    Parameters
+    ----------
+    weights : array, shape (n, m)
+        Attention weights of any backend (copied to the host).
+    queries, keys : sequence of str, optional
+        Labels of the rows and columns.
+    ax : matplotlib Axes, optional
+        Where to draw; a new figure by default.
+    title : str, optional
+    cmap : str
+        A matplotlib colour map.
+    colorbar : bool
+        Draw a colour bar beside the heatmap.
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+
+    Raises
+    ------
+    ImportError
+        If matplotlib is not installed (``pip install '.[plot]'``).
+    ValueError
+        If ``weights`` is not 2-dimensional, or a list of labels has another
+        length.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import attnx
+    >>> weights = attnx.masked_softmax(np.zeros((3, 3)), mask=attnx.masks.causal(3))
+    >>> ax = attnx.plot.attention_heatmap(weights, queries=["a", "b", "c"], keys=["a", "b", "c"], title="causal")
+    >>> ax.get_title(), [label.get_text() for label in ax.get_xticklabels()]
+    ('causal', ['a', 'b', 'c'])
     """
     plt = _pyplot("attention_heatmap")
 
@@ -56,12 +95,47 @@ def attention_heatmap(
     return ax
 
 
-def block_mask(mask: Any, *, batch: int = 0, head: int = 0, ax: Any = None, title: str | None = None) -> Any:
+def block_mask(
+    mask: Array, *, batch: int = 0, head: int = 0, ax: matplotlib.axes.Axes | None = None, title: str | None = None
+) -> matplotlib.axes.Axes:
     """Draw a :class:`attnx.BlockMask`'s blocks for one batch entry and head:
     empty blocks (skipped) white, partial blocks (masked) light, full
     blocks dark, each drawn at its place and size in the scores.  Without
     ``ax``, a new figure 6 inches wide, as tall as the scores' shape makes it.
-    Returns the matplotlib ``Axes``."""
+    Returns the matplotlib ``Axes``.
+
+    Parameters
+    ----------
+    mask : BlockMask
+        From :func:`attnx.create_block_mask`.
+    batch, head : int
+        Which batch entry and head to draw, where the mask has several.
+    ax : matplotlib Axes, optional
+        Where to draw; a new figure by default.
+    title : str, optional
+
+    Returns
+    -------
+    matplotlib.axes.Axes
+
+    Raises
+    ------
+    ImportError
+        If matplotlib is not installed (``pip install '.[plot]'``).
+    TypeError
+        If ``mask`` is not a :class:`attnx.BlockMask`.
+    ValueError
+        If ``batch`` or ``head`` is out of the block mask's range.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> from attnx import mods
+    >>> window = attnx.create_block_mask(mods.sliding_window(256), None, None, 2048, 2048)
+    >>> ax = attnx.plot.block_mask(window)
+    >>> ax.get_xlabel(), ax.get_ylabel()
+    ('keys', 'queries')
+    """
     from attnx.conversion import to_numpy
     from attnx.flex import BlockMask
 
@@ -102,5 +176,5 @@ def _pyplot(function: str) -> Any:
     try:
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ImportError(f"{function} needs matplotlib: pip install 'attnx[plot]' ({exc})") from exc
+        raise ImportError(f"{function} needs matplotlib: pip install '.[plot]' in attnx's clone ({exc})") from exc
     return plt

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from attnx import _checks, _dispatch, _params
+from attnx._typing import Array, Device, DType
 
 __all__ = ["LearnedPositions", "apply_rotary", "sinusoidal_positions"]
 
@@ -27,10 +28,10 @@ def sinusoidal_positions(
     dim: int,
     *,
     base: float = 10000.0,
-    dtype: Any = None,
+    dtype: DType = None,
     backend: str | None = None,
-    device: Any = None,
-) -> Any:
+    device: Device = None,
+) -> Array:
     r"""The sinusoidal encoding of Vaswani et al. (2017).
 
     :math:`P_{i, 2j} = \sin(i / \mathrm{base}^{2j/\mathrm{dim}})`,
@@ -44,12 +45,42 @@ def sinusoidal_positions(
     array, shape (num_positions, dim)
         float32 by default; computed in float64 where the backend has it.
 
-    Notes
-    -----
-    Native implementations (:meth:`attnx.Backend.implementations`) are
-    called with the keyword arguments ``num_positions``, ``dim``, ``base``,
-    ``dtype`` (a name, or None) and ``device`` (in the library's terms),
-    after validation.
+    Raises
+    ------
+    TypeError
+        If a size is not an integer, or ``dtype`` is not a real floating
+        dtype of the backend.
+    ValueError
+        If a size is negative, or ``base`` is not positive.
+    BackendUnavailableError
+        If the backend that would run the call cannot run here (its library is
+        not installed, or it has no device).
+
+    Parameters
+    ----------
+    num_positions : int
+        Rows: the positions ``0 .. num_positions - 1``.
+    dim : int
+        Features per position.
+    base : float
+        The wavelengths' base, 10,000 in the paper.
+    dtype : dtype or str, optional
+        A real floating dtype of the backend; float32 by default.
+    backend : str, optional
+        The backend to make the table with; the current one by default.
+    device : optional
+        A device of that backend, by name (``"cuda:0"``) or the library's own.
+
+    Examples
+    --------
+    >>> import attnx
+    >>> table = attnx.sinusoidal_positions(6, 4)
+    >>> table.shape
+    (6, 4)
+    >>> print(table[:3].round(3))   # sin and cos of position / base^(2i / dim), interleaved
+    [[ 0.     1.     0.     1.   ]
+     [ 0.841  0.54   0.01   1.   ]
+     [ 0.909 -0.416  0.02   1.   ]]
     """
     op = "sinusoidal_positions"
     num_positions = _checks.require_positive_int(op, "num_positions", num_positions, allow_zero=True)
@@ -81,8 +112,8 @@ def _sinusoidal_generic(xp: Any, *, num_positions: int, dim: int, base: float, d
 
 
 def apply_rotary(
-    x: Any, positions: Any = None, *, base: float = 10000.0, interleaved: bool = True, backend: str | None = None
-) -> Any:
+    x: Array, positions: Array = None, *, base: float = 10000.0, interleaved: bool = True, backend: str | None = None
+) -> Array:
     r"""Rotary position embedding (RoPE, Su et al. 2021) of ``x``.
 
     Each pair of features ``(x_{2j}, x_{2j+1})`` at position ``p`` is rotated
@@ -108,6 +139,23 @@ def apply_rotary(
     -------
     array, same shape, dtype and device as ``x``
 
+    Raises
+    ------
+    TypeError
+        If an input is not an array of a registered backend, the inputs come
+        from two backends, or ``backend=`` does not own them.
+        If ``positions`` is not an integer or real array, or ``interleaved``
+        is not ``True`` or ``False``.
+    ValueError
+        If ``x`` has an odd number of features, or ``positions`` does not
+        match its queries (``(..., n)``), or (on concrete values) ``base`` is
+        not positive.
+        If ``backend=`` names no registered backend, or the inputs lie on
+        two different devices.
+    BackendUnavailableError
+        If the backend that would run the call cannot run here (its library is
+        not installed, or it has no device).
+
     Notes
     -----
     The angles, their cosines and sines are computed in float64 where the
@@ -115,11 +163,22 @@ def apply_rotary(
     ``x``'s dtype: in float32 an angle at position ``10^6`` would be off by
     some 8e-3 rad.
 
-    Native implementations (:meth:`attnx.Backend.implementations`) are
-    called with the keyword arguments ``x``, ``positions`` and ``base``,
-    after validation, and rotate interleaved pairs: with
-    ``interleaved=False`` they receive the halves' features interleaved, and
-    attnx puts them back.
+    Examples
+    --------
+    Rotations keep lengths, and make the dot product of a rotated query and
+    key depend on their distance alone:
+
+    >>> import numpy as np
+    >>> import attnx
+    >>> x = np.random.default_rng(0).standard_normal((1, 4, 8))   # (..., n, d)
+    >>> rotated = attnx.apply_rotary(x)                           # positions 0, 1, 2, 3
+    >>> bool(np.allclose(np.linalg.norm(rotated, axis=-1), np.linalg.norm(x, axis=-1)))
+    True
+    >>> q = np.ones((1, 8))
+    >>> near = attnx.apply_rotary(q, np.array([2])) @ attnx.apply_rotary(q, np.array([1])).T
+    >>> far = attnx.apply_rotary(q, np.array([7])) @ attnx.apply_rotary(q, np.array([6])).T
+    >>> bool(np.allclose(near, far))
+    True
     """
     op = "apply_rotary"
     chosen, reason = _dispatch.resolve(op, backend, ("x", "positions"), (x, positions), 1)
@@ -211,6 +270,29 @@ class LearnedPositions:
     Initialised standard normal from ``seed`` (as ``torch.nn.Embedding``), the
     same numbers on every backend.  Calling it looks positions up.
 
+    Raises
+    ------
+    TypeError
+        If ``dtype`` is not a real floating dtype of the backend.
+    ValueError
+        If ``num_positions`` or ``dim`` is not a positive integer, or a
+        call asks for more positions than the table holds.
+
+    Parameters
+    ----------
+    num_positions : int
+        Rows of the table: the positions it can look up.
+    dim : int
+        Features per position.
+    seed : int
+        Seeds the initial table; the same table on every backend.
+    dtype, backend, device : optional
+        As :func:`sinusoidal_positions`.
+
+    Attributes
+    ----------
+    table : array, shape (num_positions, dim)
+
     Examples
     --------
     >>> import attnx
@@ -225,9 +307,9 @@ class LearnedPositions:
         dim: int,
         *,
         seed: int = 0,
-        dtype: Any = None,
+        dtype: DType = None,
         backend: str | None = None,
-        device: Any = None,
+        device: Device = None,
     ) -> None:
         op = "LearnedPositions"
         num_positions = _checks.require_positive_int(op, "num_positions", num_positions)
@@ -235,7 +317,7 @@ class LearnedPositions:
         _checks.require_size(op, "num_positions x dim", num_positions, dim)
         self.table = _params.create(op, backend, seed, dtype, device, normal={"table": (num_positions, dim)})["table"]
 
-    def __call__(self, positions: int | Any) -> Any:
+    def __call__(self, positions: int | Array) -> Array:
         """Rows for ``positions``: an int ``n`` (rows ``0..n-1``) or an integer
         array of any shape ``(...)``, giving ``(..., dim)``."""
         op, table = "LearnedPositions", self.table

@@ -20,7 +20,9 @@ class CuPyBackend(Backend):
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("cupy") is None:
-            return "cupy is not installed (pip install 'attnx[cupy]' with CUDA 12, cupy-cuda13x with CUDA 13)"
+            return (
+                "cupy is not installed (pip install '.[cupy]' in attnx's clone with CUDA 12, cupy-cuda13x with CUDA 13)"
+            )
         try:
             import cupy
 

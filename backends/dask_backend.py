@@ -40,7 +40,7 @@ class DaskBackend(Backend):
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("dask") is None or importlib.util.find_spec("dask.array") is None:
-            return "dask is not installed (pip install 'attnx[dask]')"
+            return "dask is not installed (pip install '.[dask]' in attnx's clone)"
         return None
 
     def version(self) -> str:

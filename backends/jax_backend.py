@@ -42,7 +42,7 @@ class JaxBackend(Backend):
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("jax") is None:
-            return "jax is not installed (pip install 'attnx[jax]')"
+            return "jax is not installed (pip install '.[jax]' in attnx's clone)"
         return None
 
     @property

@@ -28,7 +28,7 @@ class TorchBackend(Backend):
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("torch") is None:
-            return "torch is not installed (pip install 'attnx[torch]')"
+            return "torch is not installed (pip install '.[torch]' in attnx's clone)"
         return None
 
     def version(self) -> str:

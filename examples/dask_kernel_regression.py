@@ -20,7 +20,7 @@ import sys
 import time
 
 if importlib.util.find_spec("distributed") is None:
-    sys.exit("this example needs dask.distributed: pip install 'attnx[dask]'")
+    sys.exit("this example needs dask.distributed: pip install '.[dask]' in attnx's clone")
 
 import dask.array as da  # noqa: E402
 import numpy as np  # noqa: E402

@@ -21,7 +21,7 @@ import sys
 _MISSING = [name for name in ("torch", "matplotlib") if importlib.util.find_spec(name) is None]
 if _MISSING:
     sys.exit(
-        f"this example needs {' and '.join(_MISSING)}: pip install 'attnx[torch,plot]' "
+        f"this example needs {' and '.join(_MISSING)}: pip install '.[torch,plot]' in attnx's clone "
         "(PyTorch for CPU only: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
     )
 

@@ -95,7 +95,7 @@ def test_a_missing_dependency_is_reported_before_training(script, tmp_path):
         timeout=60,
     )
     assert result.returncode == 1
-    assert "needs matplotlib: pip install 'attnx[torch,plot]'" in result.stderr
+    assert "needs matplotlib: pip install '.[torch,plot]' in attnx's clone" in result.stderr
     assert "step" not in result.stdout
 
 
@@ -168,7 +168,7 @@ def test_attention_heatmap_without_matplotlib_says_how_to_install_it():
         "attnx.plot.attention_heatmap(np.eye(3))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 1 and "needs matplotlib: pip install 'attnx[plot]'" in result.stderr
+    assert result.returncode == 1 and "needs matplotlib: pip install '.[plot]' in attnx's clone" in result.stderr
 
 
 def test_dask_kernel_regression_on_a_local_cluster():

@@ -55,7 +55,7 @@ def _prints_ok(script, **environment):
 
 @pytest.fixture
 def jax():
-    return pytest.importorskip("jax", reason="the JAX tests need jax (pip install 'attnx[jax]')")
+    return pytest.importorskip("jax", reason="the JAX tests need jax (pip install '.[jax]' in attnx's clone)")
 
 
 def test_jit_with_lengths_and_scale_as_arguments(jax):
