@@ -95,7 +95,7 @@ def require_dtype_name(operation: str, xp: Any, backend_name: str, dtype: Any, *
         raise TypeError(
             f"{operation}: dtype must be a real floating-point dtype ({', '.join(FLOAT_DTYPE_NAMES)}), got {name}"
         )
-    offered = _offered_dtypes(xp)
+    offered = _offered_dtypes(xp, f"{operation}: backend {backend_name!r}: ")
     if offered is not None and name in _STANDARD_DTYPES and name not in offered:
         raise TypeError(
             f"{operation}: dtype {name} is not available on the {backend_name!r} backend here "
@@ -108,14 +108,24 @@ def require_dtype_name(operation: str, xp: Any, backend_name: str, dtype: Any, *
 _STANDARD_DTYPES = DTYPE_NAMES - {"float16", "bfloat16"}
 
 
-def _offered_dtypes(xp: Any) -> frozenset[str] | None:
+def _offered_dtypes(xp: Any, where: str = "") -> frozenset[str] | None:
     """Names of the dtypes ``xp`` can make now (the standard's inspection
     API), or None where the namespace has no inspection API.  Not cached: JAX
     changes its answer when x64 mode is switched."""
     info = getattr(xp, "__array_namespace_info__", None)
     if info is None:
         return None
-    return frozenset(info().dtypes())
+    try:
+        return frozenset(info().dtypes())
+    except Exception as exc:
+        # The standard gives dtypes() defaults for every argument; a library
+        # that asks for one fails here inside any call that names a dtype,
+        # and its bare error named neither the library nor the call.
+        raise TypeError(
+            f"{where}{getattr(xp, '__name__', type(xp).__name__)}.__array_namespace_info__().dtypes() "
+            f"failed, which the array API standard defines with no required argument: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 #: Per (namespace, device): whether float64 arrays can be made there.

@@ -224,3 +224,25 @@ def test_what_creates_real_values_refuses_other_dtypes(attnx_backend, create, dt
     """Weights, encodings and slopes in integers would be rounded (to zeros, mostly): refused, not made."""
     with pytest.raises(TypeError, match=rf"dtype must be a real floating-point dtype .*, got {dtype}"):
         create(attnx_backend.name, dtype)
+
+
+def test_an_eager_backend_s_arrays_are_concrete(attnx_backend):
+    """The checks that read values (``key_lengths`` within ``[0, m]``, a
+    finite ``scale``, no ``+inf`` in a real mask) run only where
+    ``is_concrete`` says an array's values can be read.  A backend that
+    declares no lazy ``computations()`` but answers False for an array made
+    from known data switches them off without a word: with array-api-compat's
+    default, every ndonnx array counted as lazy, and ``key_lengths=[9]`` for
+    3 keys returned an answer."""
+    be = attnx_backend
+    if be.backend.computations() is not None:
+        pytest.skip(f"{be.name} is lazy by its own declaration (computations())")
+    made = be.array(np.ones((2, 3)), be.dtype("float32"))
+    assert be.backend.is_concrete(made), (
+        f"{be.name}'s is_concrete() answers False for an array asarray() just made from known data, so attnx "
+        "never checks its values (key lengths, scale, masks); override Backend.is_concrete"
+    )
+    query = be.array(np.ones((2, 1, 4)), be.dtype("float32"))
+    key = be.array(np.ones((2, 3, 4)), be.dtype("float32"))
+    with pytest.raises(ValueError, match="key_lengths"):  # 9 keys of 3
+        attnx.scaled_dot_product_attention(query, key, key, key_lengths=be.array(np.array([9, 9])))

@@ -124,17 +124,23 @@ def test_compact_kernels_at_exactly_one_bandwidth(attnx_backend, kernel, expecte
         assert_close(estimate, np.array([np.dot(expected, [1.0, 3.0, 7.0])]), be, dtype)
 
 
+def triangle_kernel(u):
+    """``max(0, 1 - u)``, a user's kernel.  It takes its namespace from
+    ``u``: a lazy backend's natives call it on their chunks (NumPy's,
+    CuPy's), not on the backend's arrays.  In the standard's oldest words
+    (operators and ``astype``): a one-sided ``clip`` is 2023.12's, which
+    some libraries lack."""
+    return (1.0 - u) * array_namespace(u).astype(u < 1.0, u.dtype)
+
+
 def test_callable_kernel_and_learned_width(attnx_backend):
     be = attnx_backend
     gen = rng(41)
     keys = np.sort(gen.uniform(0, 5, 30))
     values = 2 * np.sin(keys) + keys**0.8
     queries = np.linspace(0, 5, 6)
-    # The kernel takes its namespace from u: a lazy backend's natives call
-    # it on their chunks (NumPy's, CuPy's), not on the backend's arrays.
-    triangle = lambda u: array_namespace(u).clip(1.0 - u, min=0.0)  # noqa: E731
     out = attnx.nadaraya_watson(
-        *(be.array(a, "float64") for a in (queries, keys, values)), kernel=triangle, bandwidth=0.5
+        *(be.array(a, "float64") for a in (queries, keys, values)), kernel=triangle_kernel, bandwidth=0.5
     )
     expected, _ = reference.nadaraya_watson(queries, keys, values, kernel=lambda u: max(0.0, 1 - u), bandwidth=0.5)
     assert_close(out, expected, be, "float64")

@@ -88,3 +88,21 @@ def test_widest_float_asks_the_device():
     assert _checks.widest_float(namespace, "no-float64") == array_api_strict.float32
     assert _checks.widest_float(namespace, "other") == array_api_strict.float64
     assert _checks.widest_float(namespace) == array_api_strict.float64
+
+
+def test_a_namespace_whose_inspection_api_fails_is_named_with_the_backend():
+    """ndonnx 0.23 asks dtypes() for a ``kind``: its bare TypeError escaped
+    from every call that named a dtype, naming neither library nor call."""
+    import types
+
+    from attnx import _checks
+
+    class Info:
+        def dtypes(self, *, kind):
+            return {}
+
+    xp = types.SimpleNamespace(__name__="brokenlib", __array_namespace_info__=Info, float32="float32")
+    with pytest.raises(
+        TypeError, match=r"asarray: backend 'broken': brokenlib.__array_namespace_info__\(\).dtypes\(\) failed"
+    ):
+        _checks.require_dtype_name("asarray", xp, "broken", "float32")
