@@ -241,6 +241,18 @@ class Backend:
         the whole batch."""
         return None
 
+    def test_chunkings(self) -> Mapping[str, Callable[[Any], Any]]:
+        """For chunked libraries: ways to cut an array into chunks, by name,
+        for the conformance suite (empty for the others, the default).
+
+        Each callable takes an array of this backend and returns the same
+        values cut another way.  The suite runs each reference test with its
+        inputs cut by one of them, taking turns over the tests (or all by the
+        one ``attnx conformance NAME --chunking CHUNKING`` names), so that a
+        wrong path for several chunks fails a reference test, not only a
+        laziness check.  Give several chunks per axis, and uneven ones."""
+        return {}
+
     def computations(self) -> AbstractContextManager[list[Any]] | None:
         """For lazy libraries: a context manager that yields a list and adds
         an entry to it for each computation the library starts inside it;

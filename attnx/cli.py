@@ -128,9 +128,21 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         args.parser.error(f"needs the test extra: pip install '.[test]' in attnx's clone ({exc})")
     from attnx_conformance.plugin import selection_problem
 
-    problem = selection_problem(args.names, args.device, args.allow_unavailable, flag="--allow-unavailable")
+    problem = selection_problem(
+        args.names, args.device, args.allow_unavailable, flag="--allow-unavailable", chunking=args.chunking
+    )
     if problem is not None:
         args.parser.error(problem)
+    if args.coverage:
+        import attnx
+        from attnx_conformance.coverage import report
+
+        complete = True
+        for name in args.names:
+            text, whole = report(attnx._registry.get(name))
+            print(text)
+            complete &= whole
+        return 0 if complete else 1
     # attnx is imported already (this command), so pytest cannot rewrite its
     # asserts: expected.  No cache and no benchmark folder in the user's folder.
     command = [
@@ -150,6 +162,8 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         command += ["--attnx-device", args.device]
     if args.allow_unavailable:
         command += ["--attnx-allow-unavailable"]
+    if args.chunking is not None:
+        command += ["--attnx-chunking", args.chunking]
     return int(pytest.main([*command, *args.pytest_args]))
 
 
@@ -306,6 +320,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-unavailable",
         action="store_true",
         help="skip, with the reason, a backend that can't run here (cupy without a GPU) instead of failing",
+    )
+    conformance.add_argument(
+        "--coverage",
+        action="store_true",
+        help="list the standard's functions, operators and arguments attnx uses that the backend lacks or refuses, "
+        "in seconds, and run no test",
+    )
+    conformance.add_argument(
+        "--chunking",
+        default=None,
+        metavar="NAME",
+        help="cut every input this way, one of the backend's test_chunkings() (Dask: 'chunks of 2', 'uneven') "
+        "or 'as made'; default: the tests take turns over them",
     )
     conformance.set_defaults(run=cmd_conformance)
 

@@ -115,6 +115,13 @@ class DaskBackend(Backend):
     def computations(self) -> contextlib.AbstractContextManager[list[Any]]:
         return _computations()
 
+    def test_chunkings(self) -> Mapping[str, Callable[[Any], Any]]:
+        return {
+            "chunks of 2": lambda array: array.rechunk(2),
+            # a chunk of 1, then of 2: chunks that differ, along every axis
+            "uneven": lambda array: array.rechunk(tuple(_uneven(size) for size in array.shape)),
+        }
+
     def implementations(self) -> Mapping[str, Callable[..., Any]]:
         if self._natives is None:
             from . import dask_attention
@@ -141,3 +148,13 @@ def _computations() -> Iterator[list[Any]]:
 @hookimpl
 def attnx_backends() -> list[Backend]:
     return [DaskBackend()]
+
+
+def _uneven(size: int) -> tuple[int, ...]:
+    """Chunks of 1, then 2, 2, ... and the rest, covering ``size``."""
+    if size <= 1:
+        return (size,)
+    chunks = [1]
+    while sum(chunks) < size:
+        chunks.append(min(2, size - sum(chunks)))
+    return tuple(chunks)

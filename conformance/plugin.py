@@ -34,6 +34,9 @@ ENV = "ATTNX_TEST_BACKEND"
 ALLOW_UNAVAILABLE_ENV = "ATTNX_TEST_ALLOW_UNAVAILABLE"
 XFAILS_ENV = "ATTNX_TEST_XFAILS"
 DEVICE_ENV = "ATTNX_TEST_DEVICE"
+CHUNKING_ENV = "ATTNX_TEST_CHUNKING"
+#: The chunking that leaves arrays as the backend's ``asarray`` makes them.
+AS_MADE = "as made"
 
 _HYPOTHESIS_HOME = pytest.StashKey[str]()
 #: node id -> backend under test; tests that ran (not skipped), per backend.
@@ -54,6 +57,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=os.environ.get(DEVICE_ENV) or None,
         metavar="DEVICE",
         help=f"make the inputs on this device, named as `attnx backends` lists it (default ${DEVICE_ENV} or the backend's default)",
+    )
+    group.addoption(
+        "--attnx-chunking",
+        default=os.environ.get(CHUNKING_ENV) or None,
+        metavar="NAME",
+        help=(
+            "cut every input this way, one of the backend's test_chunkings() or 'as made' "
+            f"(default ${CHUNKING_ENV}, else the tests take turns over them)"
+        ),
     )
     group.addoption(
         "--attnx-allow-unavailable",
@@ -85,6 +97,7 @@ def pytest_configure(config: pytest.Config) -> None:
             names,
             config.getoption("--attnx-device", default=None),
             config.getoption("--attnx-allow-unavailable", default=False),
+            chunking=config.getoption("--attnx-chunking", default=None),
         )
         if problem is not None:
             raise pytest.UsageError(problem)
@@ -116,7 +129,12 @@ def selected_backends(config: pytest.Config) -> list[str]:
 
 
 def selection_problem(
-    names: list[str], device: str | None, allow_unavailable: bool, *, flag: str = "--attnx-allow-unavailable"
+    names: list[str],
+    device: str | None,
+    allow_unavailable: bool,
+    *,
+    flag: str = "--attnx-allow-unavailable",
+    chunking: str | None = None,
 ) -> str | None:
     """Why the suite can't test ``names`` (on ``device``), as one line, or
     None.  The one check behind ``attnx conformance`` and ``pytest
@@ -144,6 +162,12 @@ def selection_problem(
             listed = [device_label(d) for d in attnx._registry.get(name).devices()]
             if device not in listed:
                 return f"attnx backend {name!r} has no device {device!r}; its devices: {', '.join(listed)}"
+        if chunking is not None and info.available:
+            declared = [AS_MADE, *attnx._registry.get(name).test_chunkings()]
+            if chunking not in declared:
+                return (
+                    f"attnx backend {name!r} has no chunking {chunking!r}; it declares {', '.join(map(repr, declared))}"
+                )
     return None
 
 
@@ -179,6 +203,9 @@ class BackendUnderTest:
     backend: Any
     device: Any = None
     dtypes: tuple[str, ...] = field(default=())
+    #: How :meth:`array` cuts the inputs (the backend's ``test_chunkings()``), and its name.
+    chunking: Any = None
+    chunking_name: str = AS_MADE
 
     @property
     def xp(self) -> Any:
@@ -212,10 +239,12 @@ class BackendUnderTest:
         if dtype is not None:
             dtype = self.dtype(dtype)
         if dtype == "bfloat16":
-            return attnx.asarray(data.astype(np.float32), backend=self.name, dtype="bfloat16", device=self.device)
-        if dtype is not None:
-            data = data.astype(dtype)
-        return attnx.asarray(data, backend=self.name, device=self.device)
+            array = attnx.asarray(data.astype(np.float32), backend=self.name, dtype="bfloat16", device=self.device)
+        else:
+            if dtype is not None:
+                data = data.astype(dtype)
+            array = attnx.asarray(data, backend=self.name, device=self.device)
+        return array if self.chunking is None else self.chunking(array)
 
     def numpy(self, array: Any) -> Any:
         return self.backend.to_numpy(array)
@@ -246,8 +275,29 @@ def attnx_backend(request: pytest.FixtureRequest) -> Iterator[BackendUnderTest]:
     except (ValueError, RuntimeError) as exc:
         pytest.skip(str(exc))
     device = request.config.getoption("--attnx-device", default=None)
+    chunking_name, chunking = _chunking(request, name, backend)
+    if chunking_name != AS_MADE:
+        # where a failure shows: the inputs' cut, to rerun it with --chunking
+        request.node.add_report_section("call", "attnx", f"inputs cut as {chunking_name!r} (--chunking)")
     with attnx.use_backend(name):
-        yield BackendUnderTest(name, backend, device, tuple(backend.float_dtypes))
+        yield BackendUnderTest(name, backend, device, tuple(backend.float_dtypes), chunking, chunking_name)
+
+
+def _chunking(request: pytest.FixtureRequest, name: str, backend: Any) -> tuple[str, Any]:
+    """The chunking this test cuts its inputs by: the one asked for, else
+    the backend's chunkings taking turns over the tests (by a hash of the
+    test's id, so a test is cut the same way in every run)."""
+    import zlib
+
+    chunkings = {AS_MADE: None, **dict(backend.test_chunkings())}
+    asked = request.config.getoption("--attnx-chunking", default=None)
+    if asked is not None:
+        if asked not in chunkings:
+            pytest.fail(f"--chunking {asked!r}: backend {name!r} declares {', '.join(map(repr, chunkings))}")
+        return asked, chunkings[asked]
+    names = list(chunkings)
+    chosen = names[zlib.crc32(request.node.nodeid.encode()) % len(names)]
+    return chosen, chunkings[chosen]
 
 
 # -- the summary per operation ----------------------------------------------
