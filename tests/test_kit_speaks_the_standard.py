@@ -33,3 +33,23 @@ def test_lengths_from_tokens_use_the_standard_alone():
 def test_the_user_kernel_uses_the_standard_alone():
     u = strict.asarray(np.array([0.0, 0.25, 1.0, 3.0]))
     assert np.asarray(test_nadaraya_watson.triangle_kernel(u)).tolist() == [1.0, 0.75, 0.0, 0.0]
+
+
+def test_closeness_asks_the_backend_where_its_arrays_are():
+    """A library whose arrays have no ``.device`` (MLX) says where they are
+    through ``Backend.device_of``: the kit's closeness check asks that, not
+    the array."""
+    import types
+
+    from attnx_conformance.helpers import assert_close
+
+    class NoDevice:  # an array type without .device, as MLX's
+        def __init__(self, data):
+            self.data, self.dtype, self.shape = data, data.dtype, data.shape
+
+    backend = types.SimpleNamespace(owns=lambda a: isinstance(a, NoDevice), device_of=lambda a: "gpu")
+    be = types.SimpleNamespace(
+        backend=backend, dtype=lambda name: name, dtype_name=lambda a: a.dtype.name, numpy=lambda a: a.data
+    )
+    data = np.linspace(0.0, 1.0, 6)
+    assert_close(NoDevice(data), data, be, "float64", like=NoDevice(data))
