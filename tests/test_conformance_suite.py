@@ -306,3 +306,46 @@ def test_the_suite_leaves_nothing_in_the_users_folder(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "passed" in result.stdout
     assert list(folder.iterdir()) == [] and list(temporary.iterdir()) == []
+
+
+# Owns NumPy arrays; declares no tracer and no vectorizing map; its native
+# SDPA fails on every call.
+FAILING_WITHOUT_TRACER = broken_plugin(
+    "numpy_backend",
+    "NumPyBackend",
+    """
+    def trace(self, function):
+        return None
+
+    def vectorize(self, function):
+        return None
+
+    def implementations(self):
+        return {"scaled_dot_product_attention": self.sdpa}
+
+    def sdpa(self, **kwargs):
+        raise RuntimeError("the native is broken")
+""",
+)
+
+
+def test_a_backend_without_transforms_gets_no_transforms_failures(pytester):
+    """An unrelated failure (here the native SDPA) must not show again as
+    failures of transforms the backend never declared: the transforms tests
+    skip before they build any input (ndonnx, Cubed and sparse showed 20
+    such failures each)."""
+    pytester.makepyfile(broken_plugin=FAILING_WITHOUT_TRACER)
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "broken_plugin",
+        "--pyargs",
+        "attnx_conformance.test_transforms",
+        "--attnx-backend",
+        "broken",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+    )
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == 0, result.stdout.str()[-3000:]
+    assert outcomes.get("skipped", 0) > 10
