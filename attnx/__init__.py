@@ -16,6 +16,7 @@ from attnx.conversion import asarray, list_backends, to_numpy
 from attnx.convolution import causal_conv1d, receptive_field
 from attnx.errors import BackendUnavailableError, PluginError, PluginWarning
 from attnx.flex import BlockMask, and_masks, create_block_mask, flex_attention, or_masks
+from attnx.gradients import vjp
 from attnx.hookspecs import hookimpl
 from attnx.kernel_regression import nadaraya_watson
 from attnx.multihead import MultiHeadAttention, init_multi_head_params, multi_head_attention
@@ -84,4 +85,5 @@ __all__ = [
     "to_numpy",
     "unregister_plugin",
     "use_backend",
+    "vjp",
 ]

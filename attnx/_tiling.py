@@ -247,3 +247,125 @@ def attend_tiles(
     group_outputs = [rows[0] if len(rows) == 1 else xp.concat(rows, axis=-2) for rows in rows_of]
     output = group_outputs[0] if len(group_outputs) == 1 else xp.concat(group_outputs, axis=0)
     return xp.astype(output, dtype) if output.dtype != dtype else output
+
+
+def backward_tiles(
+    xp: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    output: Any,
+    cotangent: Any,
+    *,
+    scale: Any,
+    batch_shape: tuple[int, ...],
+    query_chunk: int,
+    key_chunk: int,
+    tiles: TilePlan,
+    tile_scores: TileScores,
+    map_blocks: Callable[..., list[Any]] | None = None,
+    concurrent_blocks: int = 1,
+    block_bytes: int = BLOCK_BYTES,
+    scores_may_mask: bool = False,
+) -> tuple[Any, Any, Any, Any]:
+    """The gradients of :func:`attend_tiles`' output, walking the same tiles.
+
+    The FlashAttention-2 backward, array API only: for each range of rows,
+    a first walk over its tiles gives each row's maximum and sum, a second
+    recomputes each tile's weights ``P`` from them and adds the tile's part
+    of every gradient (``dS = P * (dO V^T - rowsum(dO * O))``), so no tile
+    outlives its step and the memory is that of the forward's blocks plus
+    the gradients themselves.  Tiles ``tiles`` leaves out (the causal
+    future, empty blocks) are never computed, as in the forward; a row that
+    attends nothing gets zero gradients, never NaN.
+
+    Returns ``(d_query, d_key, d_value, d_scale)`` over ``batch_shape`` (the
+    caller sums them to its inputs' broadcast shapes), in the accumulation
+    dtype; ``d_scale`` is a 0-d array.
+    """
+    batch_shape = tuple(batch_shape)
+    compute, (query, key, value, output, cotangent) = _checks.in_accumulation_dtype(
+        xp, query, key, value, output, cotangent
+    )
+    n, m, d_k, d_v = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
+    device = _checks.device_of(query)
+    groups, query_chunk = batch_groups(
+        xp, query.dtype, batch_shape, n, query_chunk, key_chunk, concurrent_blocks, block_bytes
+    )
+    ndim = len(batch_shape)
+    # D = rowsum(dO * O): the weights' gradient shifts by it in every tile
+    shift_all = xp.sum(cotangent * output, axis=-1, keepdims=True)
+
+    def spliced(total: Any, part: Any, cols: Span) -> Any:
+        """``total`` with ``part`` added on the key axis at ``cols`` (no
+        item assignment: the standard's arrays may be immutable)."""
+        c0, c1 = cols
+        pieces = [total[..., :c0, :]] if c0 > 0 else []
+        pieces.append(total[..., c0:c1, :] + part)
+        if c1 < m:
+            pieces.append(total[..., c1:, :])
+        return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-2)
+
+    def group_gradients(index: int) -> tuple[Any, Any, Any, Any]:
+        span = groups[index]
+        arrays = (query, key, value, output, cotangent, shift_all)
+        if span is not None:
+            arrays = tuple(_masking.batch_block(a, ndim, 2, span) for a in arrays)
+        q, k, v, out, d_out, shift = arrays
+        group_shape = batch_shape if span is None else (span[1] - span[0], *batch_shape[1:])
+        q_scaled, key_t, value_t = q * scale, xp.matrix_transpose(k), xp.matrix_transpose(v)
+        d_key = xp.zeros((*group_shape, m, d_k), dtype=compute, device=device)
+        d_value = xp.zeros((*group_shape, m, d_v), dtype=compute, device=device)
+        d_scale = xp.zeros((), dtype=compute, device=device)
+        row_grads = []
+        for r0 in range(0, n, query_chunk):
+            rows = (r0, min(n, r0 + query_chunk))
+            q_rows = q_scaled[..., rows[0] : rows[1], :]
+            visits = list(tiles(span, rows))
+            # walk 1: each row's maximum and sum over every visited tile
+            state = None
+            for c0, c1, masked in visits:
+                scores, allowed, additive = tile_scores(q_rows @ key_t[..., c0:c1], span, rows, (c0, c1), masked)
+                weights, row_max = _masking.unnormalised_softmax(
+                    xp, scores, allowed, additive, scores_may_mask=scores_may_mask
+                )
+                tile = blocks.pack(xp, xp.sum(weights, axis=-1, keepdims=True), row_max)
+                state = tile if state is None else blocks.combine(state, tile, xp=xp)
+            d_out_rows = d_out[..., rows[0] : rows[1], :]
+            if state is None:  # nothing visited: these rows attend nothing
+                row_grads.append(xp.zeros((*group_shape, rows[1] - rows[0], d_k), dtype=compute, device=device))
+                continue
+            row_max, total = state[..., -1:], _masking.nonzero_total(xp, state[..., -2:-1])
+            finite_max = _masking.finite_shift(xp, row_max)
+            shift_rows = shift[..., rows[0] : rows[1], :]
+            d_rows = None  # dS @ K, unscaled: d_query is its scale times, d_scale its product with q
+            # walk 2: each tile's weights again, and its part of every gradient
+            for c0, c1, masked in visits:
+                scores, allowed, additive = tile_scores(q_rows @ key_t[..., c0:c1], span, rows, (c0, c1), masked)
+                if additive is not None:
+                    scores = scores + additive
+                if allowed is not None:
+                    scores = xp.where(allowed, scores, -float("inf"))
+                probabilities = xp.exp(scores - finite_max) / total  # 0 where masked or nothing attended
+                d_value = spliced(d_value, xp.matrix_transpose(probabilities) @ d_out_rows, (c0, c1))
+                d_scores = probabilities * (d_out_rows @ value_t[..., c0:c1] - shift_rows)
+                part = d_scores @ k[..., c0:c1, :]
+                d_rows = part if d_rows is None else d_rows + part
+                d_key = spliced(d_key, xp.matrix_transpose(d_scores) @ q_rows, (c0, c1))
+            d_scale = d_scale + xp.sum(d_rows * q[..., rows[0] : rows[1], :])
+            d_rows = d_rows * scale
+            if tuple(d_rows.shape[:-2]) != group_shape:
+                d_rows = xp.broadcast_to(d_rows, (*group_shape, *d_rows.shape[-2:]))
+            row_grads.append(d_rows)
+        d_query = row_grads[0] if len(row_grads) == 1 else xp.concat(row_grads, axis=-2)
+        return d_query, d_key, d_value, d_scale
+
+    run = map_blocks if map_blocks is not None else (lambda function, items: [function(item) for item in items])
+    per_group = run(group_gradients, list(range(len(groups))))
+    if len(per_group) == 1:
+        return per_group[0]
+    d_query, d_key, d_value = (xp.concat([g[i] for g in per_group], axis=0) for i in range(3))
+    d_scale = per_group[0][3]
+    for g in per_group[1:]:
+        d_scale = d_scale + g[3]
+    return d_query, d_key, d_value, d_scale

@@ -551,6 +551,47 @@ def sdpa_chunked(
     if batch_shape is None:
         batch_shape = _checks.leading_shape(query, key, value)
     batch_shape = tuple(batch_shape)
+    tiles, tile_scores = sdpa_tile_plan(
+        xp,
+        query,
+        key,
+        mask=mask,
+        key_lengths=key_lengths,
+        is_causal=is_causal,
+        batch_shape=batch_shape,
+        key_chunk=key_chunk,
+    )
+    return _tiling.attend_tiles(
+        xp,
+        query,
+        key,
+        value,
+        scale=scale,
+        batch_shape=batch_shape,
+        query_chunk=query_chunk,
+        key_chunk=key_chunk,
+        tiles=tiles,
+        tile_scores=tile_scores,
+        map_blocks=map_blocks,
+        concurrent_blocks=concurrent_blocks,
+        block_bytes=block_bytes,
+    )
+
+
+def sdpa_tile_plan(
+    xp: Any,
+    query: Any,
+    key: Any,
+    *,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    batch_shape: tuple[int, ...],
+    key_chunk: int,
+) -> tuple[_tiling.TilePlan, _tiling.TileScores]:
+    """Which key tiles each range of rows visits, and each tile's masks: the
+    one plan of the chunked forward and of its backward
+    (:func:`attnx._tiling.backward_tiles`), so both skip and mask alike."""
     n, m = query.shape[-2], key.shape[-2]
     compute = _checks.accumulation_dtype(xp, query.dtype)
     device = _checks.device_of(query)
@@ -590,18 +631,4 @@ def sdpa_chunked(
         )
         return scores, allowed, additive
 
-    return _tiling.attend_tiles(
-        xp,
-        query,
-        key,
-        value,
-        scale=scale,
-        batch_shape=batch_shape,
-        query_chunk=query_chunk,
-        key_chunk=key_chunk,
-        tiles=tiles,
-        tile_scores=tile_scores,
-        map_blocks=map_blocks,
-        concurrent_blocks=concurrent_blocks,
-        block_bytes=block_bytes,
-    )
+    return tiles, tile_scores

@@ -82,6 +82,43 @@ def scaled_dot_product_attention(
     return np.einsum("...nm,...md->...nd", weights, value), weights
 
 
+def scaled_dot_product_attention_vjp(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    cotangent: np.ndarray,
+    *,
+    allowed: np.ndarray | None = None,
+    scale: float | None = None,
+) -> dict[str, np.ndarray]:
+    """The cotangents of ``query``, ``key``, ``value`` and ``scale`` for
+    ``cotangent`` of the output, from the chain rule on the dense formula:
+    ``dV = P^T dO``, ``dS = P * (dO V^T - rowsum(dO * O))``, ``dQ = s dS K``,
+    ``dK = s dS^T Q``, ``d_scale = sum(dS * Q K^T)``; each summed over the
+    axes its argument was broadcast along."""
+    shapes = {"query": np.shape(query), "key": np.shape(key), "value": np.shape(value)}
+    query, key, value, cotangent = (np.asarray(a, dtype=np.float64) for a in (query, key, value, cotangent))
+    lead = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
+    query, key, value = (np.broadcast_to(a, (*lead, *a.shape[-2:])) for a in (query, key, value))
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    output, weights = scaled_dot_product_attention(query, key, value, allowed=allowed, scale=scale)
+    d_weights = np.einsum("...nd,...md->...nm", cotangent, value)
+    d_scores = weights * (d_weights - np.sum(cotangent * output, axis=-1, keepdims=True))
+    unscaled = np.einsum("...nd,...md->...nm", query, key)
+    grads = {
+        "query": scale * np.einsum("...nm,...md->...nd", d_scores, key),
+        "key": scale * np.einsum("...nm,...nd->...md", d_scores, query),
+        "value": np.einsum("...nm,...nd->...md", weights, cotangent),
+    }
+    for name, shape in shapes.items():
+        grad = grads[name]
+        grad = grad.sum(axis=tuple(range(grad.ndim - len(shape))))
+        grads[name] = grad.sum(axis=tuple(i for i, size in enumerate(shape) if size == 1), keepdims=True)
+    grads["scale"] = np.asarray(np.sum(d_scores * unscaled))
+    return grads
+
+
 def multi_head_attention(
     query: np.ndarray,
     key: np.ndarray,

@@ -69,6 +69,6 @@ def test_signature_types_arrays_by_name(name, obj):
     anys = [
         p.name
         for p in signature.parameters.values()
-        if p.annotation in ("Any", "Any | None") and p.kind is not p.VAR_KEYWORD
+        if p.annotation in ("Any", "Any | None") and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
     ]
     assert not anys, f"{name}: parameters typed Any: {anys}"

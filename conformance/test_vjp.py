@@ -1,0 +1,83 @@
+"""``attnx.vjp`` on every backend: the backward of attention, walked over
+the forward's tiles in the array API, against the float64 chain rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnx
+from attnx_conformance import reference
+from attnx_conformance.helpers import assert_close, rng, rounded
+
+pytestmark = pytest.mark.attnx_operation("vjp")
+
+CASES = [
+    # (name, n, m, key/value heads, is_causal, key lengths, chunk_size)
+    ("n != m", 5, 7, 3, False, None, None),
+    ("causal, more queries than keys (empty rows)", 9, 4, 3, True, None, None),
+    ("causal in tiles", 12, 12, 3, True, None, (4, 3)),
+    ("grouped heads, padding with an empty row", 6, 8, 1, False, [8, 0], (2, 3)),
+    ("causal and padding in tiles", 7, 9, 1, True, [9, 3], (3, 2)),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "m", "kv_heads", "is_causal", "lengths", "chunk_size"), CASES, ids=[c[0] for c in CASES]
+)
+def test_attention_gradients_equal_the_chain_rule(attnx_backend, name, n, m, kv_heads, is_causal, lengths, chunk_size):
+    be = attnx_backend
+    dtype = be.dtype("float64")
+    gen = rng(58, n, m)
+    data = {
+        "query": gen.standard_normal((2, 3, n, 4)),
+        "key": gen.standard_normal((2, kv_heads, m, 4)),
+        "value": gen.standard_normal((2, kv_heads, m, 5)),
+        "cotangent": gen.standard_normal((2, 3, n, 5)),
+    }
+    data = {k: rounded(v, be, dtype) for k, v in data.items()}
+    scale = 0.6
+    key_lengths = None if lengths is None else np.array(lengths)
+    arrays = {k: be.array(v, dtype) for k, v in data.items()}
+    output, backward = attnx.vjp(
+        attnx.scaled_dot_product_attention,
+        arrays["query"],
+        arrays["key"],
+        arrays["value"],
+        is_causal=is_causal,
+        key_lengths=None if key_lengths is None else be.array(key_lengths),
+        scale=be.array(np.asarray(scale), dtype),
+        chunk_size=chunk_size,
+    )
+    grads = backward(arrays["cotangent"])
+    allowed = reference.allowed_mask(
+        n, m, batch_shape=(2, 3), key_lengths=key_lengths, lengths_per="batch", is_causal=is_causal
+    )
+    expected = reference.scaled_dot_product_attention_vjp(
+        data["query"], data["key"], data["value"], data["cotangent"], allowed=allowed, scale=scale
+    )
+    assert sorted(grads) == ["key", "query", "scale", "value"]
+    for argument in ("query", "key", "value"):
+        assert_close(grads[argument], expected[argument], be, dtype, like=arrays[argument], scale=4.0)
+    assert_close(grads["scale"], expected["scale"], be, dtype, scale=16.0)
+
+
+def test_a_real_mask_s_gradient_is_refused_by_name(attnx_backend):
+    be = attnx_backend
+    q = be.array(np.ones((1, 2, 3)), be.dtype("float64"))
+    bias = be.array(np.zeros((2, 2)), be.dtype("float64"))
+    with pytest.raises(TypeError, match="additive"):
+        attnx.vjp(attnx.scaled_dot_product_attention, q, q, q, mask=bias)
+
+
+def test_softmax_gradients_equal_the_chain_rule(attnx_backend):
+    be = attnx_backend
+    dtype = be.dtype("float64")
+    gen = rng(59)
+    scores, cotangent = (rounded(gen.standard_normal((2, 4, 6)), be, dtype) for _ in range(2))
+    lengths = np.array([6, 0])
+    weights, backward = attnx.vjp(attnx.masked_softmax, be.array(scores, dtype), key_lengths=be.array(lengths))
+    grads = backward(be.array(cotangent, dtype))
+    expected_weights = reference.softmax(scores, np.arange(6) < lengths[:, None, None])
+    expected = expected_weights * (cotangent - np.sum(cotangent * expected_weights, axis=-1, keepdims=True))
+    assert_close(grads["scores"], expected, be, dtype)

@@ -1,0 +1,149 @@
+"""attnx.vjp: the tiled array-API backward against PyTorch's autograd, its
+refusals, its memory, and under jax.jit."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import attnx
+
+torch = pytest.importorskip("torch")
+
+GRID = list(
+    itertools.product(
+        [(5, 7), (9, 4), (16, 16)],  # (n, m)
+        [False, True],  # is_causal
+        [None, (4, 0)],  # key lengths (entry 1 attends nothing)
+        [1, 3],  # key/value heads for 3 query heads
+        [None, (2, 3), (4, 2)],  # chunk_size: one tile, many tiles
+    )
+)
+
+
+def _torch_gradients(q, k, v, cotangent, *, is_causal, lengths, scale):
+    """PyTorch's autograd through its own SDPA, float64, the masks as one boolean mask."""
+    n, m = q.shape[-2], k.shape[-2]
+    allowed = torch.ones((2, 1, n, m), dtype=torch.bool)
+    if is_causal:  # attnx's alignment: the last query with the last key
+        allowed &= torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
+    if lengths is not None:
+        allowed &= torch.arange(m) < torch.tensor(lengths).reshape(2, 1, 1, 1)
+    leaves = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    scale_leaf = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
+    key, value = (torch.repeat_interleave(a, 3 // a.shape[1], dim=1) for a in leaves[1:])
+    scores = (leaves[0] @ key.transpose(-1, -2)) * scale_leaf
+    weights = torch.softmax(scores.masked_fill(~allowed, -torch.inf), -1).nan_to_num(0.0)
+    (weights @ value).backward(torch.tensor(cotangent))
+    return [leaf.grad.numpy() for leaf in leaves] + [scale_leaf.grad.item()]
+
+
+@pytest.mark.parametrize(("sizes", "is_causal", "lengths", "kv_heads", "chunk_size"), GRID)
+def test_gradients_equal_pytorch_s_autograd(sizes, is_causal, lengths, kv_heads, chunk_size):
+    n, m = sizes
+    gen = np.random.default_rng([58, n, m, kv_heads])
+    q, k, v = (
+        gen.standard_normal((2, 3, n, 4)),
+        gen.standard_normal((2, kv_heads, m, 4)),
+        gen.standard_normal((2, kv_heads, m, 5)),
+    )
+    cotangent = gen.standard_normal((2, 3, n, 5))
+    key_lengths = None if lengths is None else np.minimum(lengths, m)
+    _, backward = attnx.vjp(
+        attnx.scaled_dot_product_attention,
+        q,
+        k,
+        v,
+        is_causal=is_causal,
+        key_lengths=key_lengths,
+        scale=np.asarray(0.7),
+        chunk_size=chunk_size,
+    )
+    grads = backward(cotangent)
+    expected = _torch_gradients(q, k, v, cotangent, is_causal=is_causal, lengths=key_lengths, scale=0.7)
+    for name, want in zip(("query", "key", "value"), expected):
+        np.testing.assert_allclose(grads[name], want, rtol=1e-10, atol=1e-12)
+        assert grads[name].shape == {"query": q, "key": k, "value": v}[name].shape
+    np.testing.assert_allclose(float(grads["scale"]), expected[3], rtol=1e-10)
+
+
+def test_a_float_scale_gets_no_gradient_and_dtypes_are_kept():
+    q = np.ones((1, 3, 4), dtype=np.float32)
+    out, backward = attnx.vjp(attnx.scaled_dot_product_attention, q, q, q, scale=0.5)
+    grads = backward(np.ones_like(out))
+    assert sorted(grads) == ["key", "query", "value"]
+    assert {g.dtype for g in grads.values()} == {np.dtype(np.float32)}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        (
+            lambda q: attnx.vjp(attnx.nadaraya_watson, q[0, :, 0], q[0, :, 0], q[0, :, 0]),
+            TypeError,
+            "can't differentiate nadaraya_watson",
+        ),
+        (
+            lambda q: attnx.vjp(attnx.scaled_dot_product_attention, q, q, q, return_weights=True),
+            ValueError,
+            "masked_softmax",
+        ),
+        (
+            lambda q: attnx.vjp(attnx.scaled_dot_product_attention, q, q, q, mask=np.zeros((3, 3))),
+            TypeError,
+            "additive",
+        ),
+        (
+            lambda q: attnx.vjp(attnx.scaled_dot_product_attention, q, q, q)[1](np.ones((1, 3, 2))),
+            ValueError,
+            "cotangent must have the output's shape",
+        ),
+        (
+            lambda q: attnx.vjp(attnx.scaled_dot_product_attention, q, q, q)[1](np.ones((1, 3, 4), np.float32)),
+            TypeError,
+            "dtype",
+        ),
+        (
+            lambda q: attnx.vjp(attnx.scaled_dot_product_attention, q, q, q)[1]([[0.0]]),
+            TypeError,
+            "cotangent must be an array",
+        ),
+    ],
+    ids=["not differentiable yet", "weights", "additive mask", "cotangent shape", "cotangent dtype", "cotangent type"],
+)
+def test_what_vjp_cannot_do_exactly_is_refused_by_name(call, error, words):
+    with pytest.raises(error, match=words):
+        call(np.ones((1, 3, 4)))
+
+
+def test_the_backward_never_holds_the_scores():
+    """(1, 1, 8192, 64) causal, float32: the scores are 256 MiB; the backward
+    holds tiles within the memory budget, the inputs' gradients and the
+    forward's output."""
+    from test_memory import MiB, peak_bytes
+
+    gen = np.random.default_rng(0)
+    q, k, v = (gen.standard_normal((1, 1, 8192, 64), dtype=np.float32) for _ in range(3))
+    out, backward = attnx.vjp(attnx.scaled_dot_product_attention, q, k, v, is_causal=True)
+    cotangent = np.ones_like(out)
+    peak, grads = peak_bytes(lambda: backward(cotangent))
+    assert peak < 64 * MiB, peak / MiB  # gradients 6 MiB; tiles of 4 MiB, a few alive at once
+    assert np.isfinite(grads["query"]).all()
+
+
+def test_under_jax_jit_the_backward_equals_eager():
+    jax = pytest.importorskip("jax")
+    gen = np.random.default_rng(3)
+    q, k, v, g = (jax.numpy.asarray(gen.standard_normal((2, 2, 6, 4)), dtype="float32") for _ in range(4))
+
+    def gradients(q, k, v, g):
+        return attnx.vjp(attnx.scaled_dot_product_attention, q, k, v, is_causal=True, chunk_size=(2, 3))[1](g)
+
+    eager, traced = gradients(q, k, v, g), jax.jit(gradients)(q, k, v, g)
+    for name in ("query", "key", "value"):
+        np.testing.assert_allclose(np.asarray(traced[name]), np.asarray(eager[name]), rtol=1e-5, atol=1e-6)
+    expected = jax.vjp(lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)[1](g)
+    for name, want in zip(("query", "key", "value"), expected):
+        np.testing.assert_allclose(np.asarray(eager[name]), np.asarray(want), rtol=1e-4, atol=1e-5)
