@@ -14,11 +14,11 @@ torch = pytest.importorskip("torch")
 
 GRID = list(
     itertools.product(
-        [(5, 7), (9, 4), (16, 16)],  # (n, m)
+        [(5, 7), (9, 4)],  # (n, m): fewer queries than keys, and more
         [False, True],  # is_causal
         [None, (4, 0)],  # key lengths (entry 1 attends nothing)
         [1, 3],  # key/value heads for 3 query heads
-        [None, (2, 3), (4, 2)],  # chunk_size: one tile, many tiles
+        [None, (2, 3)],  # chunk_size: one tile, many tiles
     )
 )
 
