@@ -13,12 +13,11 @@ from attnx_conformance.helpers import assert_close, rng, rounded
 pytestmark = pytest.mark.attnx_operation("vjp")
 
 CASES = [
-    # (name, n, m, key/value heads, is_causal, key lengths, chunk_size)
-    ("n != m", 5, 7, 3, False, None, None),
+    # (name, n, m, key/value heads, is_causal, key lengths, chunk_size): few
+    # cases, each many features, since each tile shape compiles on JAX
+    ("n != m, one tile", 5, 7, 3, False, None, None),
     ("causal, more queries than keys (empty rows)", 9, 4, 3, True, None, None),
-    ("causal in tiles", 12, 12, 3, True, None, (4, 3)),
-    ("grouped heads, padding with an empty row", 6, 8, 1, False, [8, 0], (2, 3)),
-    ("causal and padding in tiles", 7, 9, 1, True, [9, 3], (3, 2)),
+    ("causal, grouped heads and padding with an empty row, in tiles", 7, 9, 1, True, [9, 0], (3, 4)),
 ]
 
 
