@@ -336,17 +336,14 @@ def backward_tiles(
                 row_grads.append(xp.zeros((*group_shape, rows[1] - rows[0], d_k), dtype=compute, device=device))
                 continue
             row_max, total = state[..., -1:], _masking.nonzero_total(xp, state[..., -2:-1])
-            finite_max = _masking.finite_shift(xp, row_max)
             shift_rows = shift[..., rows[0] : rows[1], :]
             d_rows = None  # dS @ K, unscaled: d_query is its scale times, d_scale its product with q
             # walk 2: each tile's weights again, and its part of every gradient
             for c0, c1, masked in visits:
                 scores, allowed, additive = tile_scores(q_rows @ key_t[..., c0:c1], span, rows, (c0, c1), masked)
-                if additive is not None:
-                    scores = scores + additive
-                if allowed is not None:
-                    scores = xp.where(allowed, scores, -float("inf"))
-                probabilities = xp.exp(scores - finite_max) / total  # 0 where masked or nothing attended
+                # the masks applied as in the forward, shifted by the whole row's maximum
+                weights, _ = _masking.unnormalised_softmax(xp, scores, allowed, additive, running_max=row_max)
+                probabilities = weights / total  # 0 where masked or nothing attended
                 d_value = spliced(d_value, xp.matrix_transpose(probabilities) @ d_out_rows, (c0, c1))
                 d_scores = probabilities * (d_out_rows @ value_t[..., c0:c1] - shift_rows)
                 part = d_scores @ k[..., c0:c1, :]

@@ -123,7 +123,7 @@ def _attention_vjp(
         raise ValueError(
             f"{operation}: return_weights=True has two outputs; differentiate the weights through attnx.masked_softmax"
         )
-    if mask is not None and hasattr(mask, "dtype") and mask.dtype != xp.bool:
+    if mask is not None and _checks.is_float_dtype(xp, mask.dtype):
         raise TypeError(
             f"{operation}: the gradient of a real (additive) mask is not implemented yet; give a boolean mask "
             f"(True attends), got dtype {_checks.dtype_label(mask.dtype)}"
@@ -197,7 +197,7 @@ def _softmax_vjp(
     weights = masked_softmax(scores, mask=mask, key_lengths=key_lengths, axis=axis, backend=backend)
     chosen, _ = _dispatch.resolve(operation, backend, ("scores", "mask", "key_lengths"), (scores, mask, key_lengths))
     xp = chosen.xp
-    real_mask = mask is not None and mask.dtype != xp.bool
+    real_mask = mask is not None and _checks.is_float_dtype(xp, mask.dtype)
 
     def backward(cotangent: Any) -> dict[str, Any]:
         _require_cotangent(operation, xp, cotangent, weights)
