@@ -46,7 +46,7 @@ from typing import Any
 from attnx import blocks, get_memory_budget, natives
 from attnx.natives import MIN_ROWS
 
-from . import cupy_flash
+from . import cupy_cudnn, cupy_flash
 
 #: Causal calls are cut into blocks of rows (each of at least MIN_ROWS
 #: rows) that compute the keys up to their last row's diagonal: with 4
@@ -431,7 +431,9 @@ def scaled_dot_product_attention(
 ) -> Any:
     """attnx's native entry point (see :meth:`attnx.Backend.implementations`);
     ``backend`` is bound by it.  Declines the weights and calls with no
-    query, key or feature.  A call without a ``mask`` or a ``chunk_size``
+    query, key or feature.  A float16 call without a ``mask``,
+    ``key_lengths`` or ``chunk_size`` goes to cuDNN where it takes it
+    (:mod:`cupy_cudnn`).  A call without a ``mask`` or a ``chunk_size``
     goes to the fused kernel (:mod:`cupy_flash`) where :func:`prefers_fused`
     and the kernel's plan take it; the rest to :func:`attend`'s blocks."""
     import array_api_compat.cupy as xp
@@ -443,6 +445,23 @@ def scaled_dot_product_attention(
         or 0 in (n, m, query.shape[-1], value.shape[-1], math.prod(batch_shape))
     ):
         return NotImplemented
+    if mask is None and key_lengths is None and chunk_size is None:
+        cudnn_call = cupy_cudnn.plan(
+            query.dtype.name,
+            slices=math.prod(batch_shape),
+            n=n,
+            m=m,
+            d_k=query.shape[-1],
+            d_v=value.shape[-1],
+            is_causal=is_causal,
+            scale=scale,
+            device=query.device.id,
+        )
+        if cudnn_call is not None:  # half precision on the tensor cores
+            with query.device:
+                q, k, v = (_as_slices(xp, array, batch_shape) for array in (query, key, value))
+                output = cupy_cudnn.attend(cudnn_call, q, k, v)
+            return xp.reshape(output, (*batch_shape, n, value.shape[-1]))
     dtype, compute = query.dtype, blocks.state_dtype(xp, query.dtype)  # attnx's rule: half precision in float32
     if compute != dtype:
         query, key, value = (xp.astype(a, compute) for a in (query, key, value))

@@ -53,13 +53,15 @@ FLASH_SOURCE = r"""
 __device__ __forceinline__ T nan_max(T a, T b) { return (a != a || a > b) ? a : b; }
 __device__ __forceinline__ T part(const V& v, int c) { return reinterpret_cast<const T*>(&v)[c]; }
 
+#define QROWS (ROWS * QPT)
+
 extern "C" __global__ void __launch_bounds__(ROWS) KERNEL_NAME(
         const T* __restrict__ query, const T* __restrict__ key, const T* __restrict__ value,
         T* __restrict__ output, const int* __restrict__ limits, const int has_limits,
         const int n, const int m, const int row_blocks, const T scale) {
     // A row of queries is padded by one vector, so that the threads' loads of
     // their own rows fall in different banks.
-    __shared__ __align__(16) T queries[ROWS][DP + VEC];
+    __shared__ __align__(16) T queries[QROWS][DP + VEC];
     __shared__ __align__(16) T keys[KEYS][DP];
     __shared__ __align__(16) T values[KEYS][DVP];
     __shared__ int block_stop;
@@ -67,31 +69,41 @@ extern "C" __global__ void __launch_bounds__(ROWS) KERNEL_NAME(
     const int t = threadIdx.x;
     const long long slice = blockIdx.x / row_blocks;
     // The blocks of a slice's last queries first: under the causal rule they have the most keys.
-    const int first_row = (row_blocks - 1 - (int)(blockIdx.x % row_blocks)) * ROWS;
-    const int row = first_row + t;
+    const int first_row = (row_blocks - 1 - (int)(blockIdx.x % row_blocks)) * QROWS;
     const T* q = query + (slice * n + first_row) * D;
     const T* k = key + slice * m * D;
     const T* v = value + slice * m * DV;
 
-    for (int i = t; i < ROWS * DP; i += ROWS) {
+    for (int i = t; i < QROWS * DP; i += ROWS) {
         const int r = i / DP, e = i % DP;
         queries[r][e] = (first_row + r < n && e < D) ? q[(long long)r * D + e] * scale : (T)0;
     }
-    int limit = m;
-    if (has_limits) {
-        limit = row < n ? limits[slice * n + row] : 0;
-        limit = limit < 0 ? 0 : (limit > m ? m : limit);
-    }
+    // Thread t holds the queries t, t + ROWS, ...: neighbours read neighbouring rows.
+    int limit[QPT];
     if (t == 0) block_stop = 0;
     __syncthreads();
-    if (row < n) atomicMax(&block_stop, limit);
+#pragma unroll
+    for (int r = 0; r < QPT; ++r) {
+        const int row = first_row + t + r * ROWS;
+        limit[r] = m;
+        if (has_limits) {
+            limit[r] = row < n ? limits[slice * n + row] : 0;
+            limit[r] = limit[r] < 0 ? 0 : (limit[r] > m ? m : limit[r]);
+        }
+        if (row < n) atomicMax(&block_stop, limit[r]);
+    }
     __syncthreads();
     const int stop = block_stop;
 
-    T most = minus_infinity, total = 0;
-    T out[DVP];
+    T most[QPT], total[QPT];
+    T out[QPT][DVP];
 #pragma unroll
-    for (int e = 0; e < DVP; ++e) out[e] = 0;
+    for (int r = 0; r < QPT; ++r) {
+        most[r] = minus_infinity;
+        total[r] = 0;
+#pragma unroll
+        for (int e = 0; e < DVP; ++e) out[r][e] = 0;
+    }
 
     for (int first_key = 0; first_key < stop; first_key += KEYS) {
         __syncthreads();  // the last tile's reads are done
@@ -105,48 +117,68 @@ extern "C" __global__ void __launch_bounds__(ROWS) KERNEL_NAME(
         }
         __syncthreads();
 
-        T scores[KEYS];
+        // A key's vector read from shared memory serves the thread's QPT queries.
+        T scores[QPT][KEYS];
 #pragma unroll
-        for (int j = 0; j < KEYS; ++j) scores[j] = 0;
+        for (int r = 0; r < QPT; ++r)
+#pragma unroll
+            for (int j = 0; j < KEYS; ++j) scores[r][j] = 0;
 #pragma unroll
         for (int e = 0; e < DP; e += VEC) {
-            const V qv = *reinterpret_cast<const V*>(&queries[t][e]);
+            V qv[QPT];
+#pragma unroll
+            for (int r = 0; r < QPT; ++r) qv[r] = *reinterpret_cast<const V*>(&queries[t + r * ROWS][e]);
 #pragma unroll
             for (int j = 0; j < KEYS; ++j) {
                 const V kv = *reinterpret_cast<const V*>(&keys[j][e]);
 #pragma unroll
-                for (int c = 0; c < VEC; ++c) scores[j] += part(qv, c) * part(kv, c);
+                for (int r = 0; r < QPT; ++r)
+#pragma unroll
+                    for (int c = 0; c < VEC; ++c) scores[r][j] += part(qv[r], c) * part(kv, c);
             }
         }
-        T tile_most = most;
+        T weights[QPT][KEYS];
 #pragma unroll
-        for (int j = 0; j < KEYS; ++j)
-            if (first_key + j < limit) tile_most = nan_max(tile_most, scores[j]);
-        // With no finite score yet, shift by 0: exp(-inf - 0) weighs 0 where exp(-inf + inf) is NaN.
-        const T shift = tile_most == minus_infinity ? (T)0 : tile_most;
-        const T correction = EXP(most - shift);
-        total *= correction;
+        for (int r = 0; r < QPT; ++r) {
+            T tile_most = most[r];
 #pragma unroll
-        for (int e = 0; e < DVP; ++e) out[e] *= correction;
+            for (int j = 0; j < KEYS; ++j)
+                if (first_key + j < limit[r]) tile_most = nan_max(tile_most, scores[r][j]);
+            // With no finite score yet, shift by 0: exp(-inf - 0) weighs 0 where exp(-inf + inf) is NaN.
+            const T shift = tile_most == minus_infinity ? (T)0 : tile_most;
+            const T correction = EXP(most[r] - shift);
+            total[r] *= correction;
+#pragma unroll
+            for (int e = 0; e < DVP; ++e) out[r][e] *= correction;
+#pragma unroll
+            for (int j = 0; j < KEYS; ++j) {
+                weights[r][j] = first_key + j < limit[r] ? EXP(scores[r][j] - shift) : (T)0;
+                total[r] += weights[r][j];
+            }
+            most[r] = tile_most;
+        }
 #pragma unroll
         for (int j = 0; j < KEYS; ++j) {
-            const T weight = first_key + j < limit ? EXP(scores[j] - shift) : (T)0;
-            total += weight;
 #pragma unroll
             for (int e = 0; e < DVP; e += VEC) {
                 const V vv = *reinterpret_cast<const V*>(&values[j][e]);
 #pragma unroll
-                for (int c = 0; c < VEC; ++c) out[e + c] += weight * part(vv, c);
+                for (int r = 0; r < QPT; ++r)
+#pragma unroll
+                    for (int c = 0; c < VEC; ++c) out[r][e + c] += weights[r][j] * part(vv, c);
             }
         }
-        most = tile_most;
     }
-    if (row < n) {
-        // A row with no key (its sum 0) gets its zeros divided by 1.
-        const T divisor = total == 0 ? (T)1 : total;
-        T* o = output + (slice * n + row) * DV;
 #pragma unroll
-        for (int e = 0; e < DV; ++e) o[e] = out[e] / divisor;
+    for (int r = 0; r < QPT; ++r) {
+        const int row = first_row + t + r * ROWS;
+        if (row < n) {
+            // A row with no key (its sum 0) gets its zeros divided by 1.
+            const T divisor = total[r] == 0 ? (T)1 : total[r];
+            T* o = output + (slice * n + row) * DV;
+#pragma unroll
+            for (int e = 0; e < DV; ++e) o[e] = out[r][e] / divisor;
+        }
     }
 }
 """
@@ -181,11 +213,16 @@ KEY_CHOICES = (8,)
 #: (16, 8, 1024, 64) and (1, 8, 512, 64), even where 32 made four times the
 #: blocks (512 queries: 32 blocks of 128 on 132 multiprocessors).
 ROW_CHOICES = (128, 64, 32)
+#: The queries a thread holds, largest first: the first whose outputs and
+#: scores fit its registers.  Each vector of a key or a value read from
+#: shared memory then serves that many queries' products.
+QUERY_CHOICES = (1,)
 
 
 @dataclasses.dataclass(frozen=True)
 class FlashPlan:
-    """A launch of the kernel: ``rows`` queries a block, ``keys`` a tile,
+    """A launch of the kernel: ``rows`` threads a block, each holding
+    ``queries`` queries (a block holds ``rows * queries``), ``keys`` a tile,
     the features padded to whole vectors."""
 
     dtype_name: str
@@ -193,10 +230,16 @@ class FlashPlan:
     d_v: int
     rows: int
     keys: int
+    queries: int = 1
 
     @property
     def vector(self) -> int:
         return 16 // _ITEMSIZE[self.dtype_name]
+
+    @property
+    def block_queries(self) -> int:
+        """The queries a block holds."""
+        return self.rows * self.queries
 
 
 _ITEMSIZE = {"float32": 4, "float64": 8}
@@ -213,27 +256,35 @@ def plan(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int) -> Fl
 
     Keys come in tiles of :data:`KEY_CHOICES` (8), whose scores and a
     thread's output fit :data:`REGISTER_BYTES` up to 136 features in
-    float32 and 64 in float64; queries in blocks of :data:`ROW_CHOICES`
-    that fit the shared memory with them: 128 up to 80 features in float32
-    and 40 in float64, 64 above (fewer where the call has fewer queries)."""
+    float32 and 64 in float64, for each of a thread's
+    :data:`QUERY_CHOICES` queries; threads in blocks of
+    :data:`ROW_CHOICES` whose queries fit the shared memory with the
+    tiles: 128 threads of one query up to 80 features in float32 and 40 in
+    float64, 64 above (fewer where the call has fewer queries)."""
     itemsize = _ITEMSIZE.get(dtype_name)
     # Positions (a block's first query past the last among them) in int32, the grid in CUDA's 2**31 - 1.
-    if itemsize is None or max(n, m) >= 2**31 - 128 or slices * -(-n // min(ROW_CHOICES, default=1)) >= 2**31:
+    if itemsize is None or max(n, m) >= 2**31 - 512 or slices * -(-n // min(ROW_CHOICES, default=1)) >= 2**31:
         return None
     vector = 16 // itemsize
     padded_k, padded_v = _padded(d_k, vector), _padded(d_v, vector)
-    keys = next((keys for keys in KEY_CHOICES if (max(padded_k, padded_v) + keys) * itemsize <= REGISTER_BYTES), None)
-    if keys is None:
-        return None
     fitting = [
+        (queries, keys)
+        for queries in QUERY_CHOICES
+        for keys in KEY_CHOICES
+        if queries * (max(padded_k, padded_v) + keys) * itemsize <= REGISTER_BYTES
+    ]
+    if not fitting:
+        return None
+    queries, keys = fitting[0]
+    shared = [
         rows
         for rows in ROW_CHOICES
-        if (rows * (padded_k + vector) + keys * (padded_k + padded_v)) * itemsize <= SHARED_BYTES
+        if (rows * queries * (padded_k + vector) + keys * (padded_k + padded_v)) * itemsize <= SHARED_BYTES
     ]
-    useful = [rows for rows in fitting if rows - n < 32] or fitting[-1:]  # less than a warp idle
+    useful = [rows for rows in shared if rows * queries - n < 32] or shared[-1:]  # less than a warp idle
     if not useful:
         return None
-    return FlashPlan(dtype_name, d_k, d_v, useful[0], keys)
+    return FlashPlan(dtype_name, d_k, d_v, useful[0], keys, queries)
 
 
 def kernel_source(flash: FlashPlan) -> str:
@@ -247,6 +298,7 @@ def kernel_source(flash: FlashPlan) -> str:
         "DVP": _padded(flash.d_v, flash.vector),
         "ROWS": flash.rows,
         "KEYS": flash.keys,
+        "QPT": flash.queries,
     }
     header = f"typedef {c_type} T;\ntypedef {vector_type} V;\n#define EXP {exponential}\n"
     header += f"#define MINUS_INFINITY {minus_infinity}\n"
@@ -255,7 +307,8 @@ def kernel_source(flash: FlashPlan) -> str:
 
 
 def kernel_name(flash: FlashPlan) -> str:
-    return f"flash_{flash.dtype_name}_{flash.d_k}_{flash.d_v}_{flash.rows}_{flash.keys}"
+    name = f"flash_{flash.dtype_name}_{flash.d_k}_{flash.d_v}_{flash.rows}_{flash.keys}"
+    return name if flash.queries == 1 else f"{name}_{flash.queries}"
 
 
 @functools.cache
@@ -280,7 +333,7 @@ def attend(flash: FlashPlan, query: Any, key: Any, value: Any, limits: Any, scal
     output = cupy.empty((slices, n, flash.d_v), dtype=query.dtype)
     has_limits = limits is not None
     limits = output if limits is None else cupy.ascontiguousarray(limits, dtype=cupy.int32)
-    row_blocks = -(-n // flash.rows)
+    row_blocks = -(-n // flash.block_queries)
     _kernel(flash)(
         (slices * row_blocks,),
         (flash.rows,),

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 from typing import Any
 
@@ -552,6 +553,42 @@ def flash_times() -> None:
             ratio(fused, blocked)
 
 
+@contextlib.contextmanager
+def thread_queries(queries: tuple[int, ...], keys: tuple[int, ...]) -> Any:
+    """The fused kernel's choices of queries a thread and keys a tile, for a while."""
+    from attnx_backends import cupy_flash
+
+    saved = cupy_flash.QUERY_CHOICES, cupy_flash.KEY_CHOICES
+    cupy_flash.QUERY_CHOICES, cupy_flash.KEY_CHOICES = queries, keys
+    try:
+        yield
+    finally:
+        cupy_flash.QUERY_CHOICES, cupy_flash.KEY_CHOICES = saved
+
+
+def flash_queries() -> None:
+    """Several queries a thread in the fused kernel (float32): its outputs in
+    flash_outputs' cases with two queries a thread, then its time against
+    one query a thread and PyTorch's SDPA, every call sent to the kernel."""
+    from attnx_backends import cupy_flash
+
+    with thread_queries((2, 1), (4,)):
+        flash_outputs()
+    choices = (((1,), (8,)), ((2, 1), (8,)), ((2, 1), (4,)))
+    for batch, size, d in ((1, 8192, 64), (16, 1024, 64), (1, 2048, 64), (1, 512, 64), (1, 2048, 128)):
+        for operation in ("sdpa", "sdpa_causal"):
+            shape = dict(operation=operation, batch=batch, heads=8, n=size, head_dim=d, device=CUDA, repeat=10)
+            label = f"{operation} ({batch}, 8, {size}, {d})"
+            anchor = row(f"torch-sdpa {label}", Case("torch-sdpa", **shape))
+            lines = []
+            for queries, keys in choices:
+                with flash_choices(), thread_queries(queries, keys):
+                    name = cupy_flash.kernel_name(cupy_flash.plan("float32", d, d, size, size, batch * 8))
+                    lines.append(row(f"cupy flash {label} {name}", Case("attnx:cupy", **shape)))
+                ratio(lines[-1], anchor)
+                ratio(lines[-1], lines[0])
+
+
 def flash_rule() -> None:
     """Where the fused kernel beats attend's blocks: small calls (their
     scores' count), and calls whose blocks the memory budget cuts small
@@ -719,6 +756,247 @@ def host_profile() -> None:
                 print(text.getvalue(), flush=True)
 
 
+@contextlib.contextmanager
+def without_cudnn() -> Any:
+    """The CuPy native with its cuDNN route set aside: half precision in
+    attnx's own kernels (computed in float32), as before the route."""
+    from attnx_backends import cupy_cudnn
+
+    plan = cupy_cudnn.plan
+    cupy_cudnn.plan = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        cupy_cudnn.plan = plan
+
+
+def cudnn_outputs() -> None:
+    """float16 through cuDNN's SDPA (``attnx_backends.cupy_cudnn``): each
+    call's output against the same inputs in float32 through attnx's own
+    kernels, and whether the route took it."""
+    import cupy as cp
+
+    from attnx_backends import cupy_cudnn
+
+    print(json.dumps({"row": "cudnn route", "unavailable": cupy_cudnn.unavailable_reason()}), flush=True)
+    if cupy_cudnn.unavailable_reason() is None:
+        import cudnn
+
+        print(
+            json.dumps({"row": "cudnn versions", "frontend": cudnn.__version__, "backend": cudnn.backend_version()}),
+            flush=True,
+        )
+    gen = cp.random.default_rng(5)
+
+    def normal(*shape):
+        return gen.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
+
+    cases = {
+        "(2, 4, 300, 64) m 257": (normal(2, 4, 300, 64), normal(2, 4, 257, 64), normal(2, 4, 257, 64), {}),
+        "(2, 4, 300, 64) causal": (*(normal(2, 4, 300, 64) for _ in range(3)), {"is_causal": True}),
+        "causal n 100 < m 1000": (
+            normal(2, 4, 100, 64),
+            normal(2, 4, 1000, 64),
+            normal(2, 4, 1000, 64),
+            {"is_causal": True},
+        ),
+        "causal n 1 < m 4096 (decoding)": (
+            normal(4, 8, 1, 128),
+            normal(4, 8, 4096, 128),
+            normal(4, 8, 4096, 128),
+            {"is_causal": True},
+        ),
+        "d 128, scale 0.3": (*(normal(1, 8, 512, 128) for _ in range(3)), {"scale": 0.3}),
+        "d_k 64, d_v 32": (normal(2, 4, 200, 64), normal(2, 4, 300, 64), normal(2, 4, 300, 32), {}),
+        "keys shared by heads": (normal(2, 4, 256, 64), normal(2, 1, 256, 64), normal(2, 1, 256, 64), {}),
+        "n 1, m 1": (normal(1, 1, 1, 64), normal(1, 1, 1, 64), normal(1, 1, 1, 64), {}),
+        "(16, 8, 1024, 64) causal": (*(normal(16, 8, 1024, 64) for _ in range(3)), {"is_causal": True}),
+        "(1, 8, 8192, 64)": (*(normal(1, 8, 8192, 64) for _ in range(3)), {}),
+        "causal n 1000 > m 257 (declined)": (
+            normal(2, 4, 1000, 64),
+            normal(2, 4, 257, 64),
+            normal(2, 4, 257, 64),
+            {"is_causal": True},
+        ),
+        "d 40 (declined)": (*(normal(2, 4, 100, 40) for _ in range(3)), {}),
+    }
+    for name, (q, k, v, options) in cases.items():
+        try:
+            batch_shape = tuple(max(a, b) for a, b in zip(q.shape[:-2], k.shape[:-2]))
+            scale = options.get("scale", float(q.shape[-1]) ** -0.5)
+            taken = (
+                cupy_cudnn.plan(
+                    "float16",
+                    slices=math.prod(batch_shape),
+                    n=q.shape[-2],
+                    m=k.shape[-2],
+                    d_k=q.shape[-1],
+                    d_v=v.shape[-1],
+                    is_causal=options.get("is_causal", False),
+                    scale=scale,
+                    device=0,
+                )
+                is not None
+            )
+            got = attnx.scaled_dot_product_attention(q, k, v, **options)
+            want = attnx.scaled_dot_product_attention(*(a.astype(cp.float32) for a in (q, k, v)), **options)
+            error = float(cp.max(cp.abs(got.astype(cp.float32) - want))) / max(float(cp.max(cp.abs(want))), 1e-30)
+            line = {
+                "row": f"cudnn outputs {name}",
+                "taken": taken,
+                "dtype": str(got.dtype),
+                "shape": list(got.shape),
+                "error_of_max": f"{error:.2e}",
+                "nan": bool(cp.isnan(got).any()),
+            }
+        except Exception as exc:
+            line = {"row": f"cudnn outputs {name}", "error": repr(exc)[:500]}
+        print(json.dumps(line), flush=True)
+
+
+def cudnn_times() -> None:
+    """Issue 61's shapes: float16 through cuDNN, float16 in attnx's own
+    kernels, and PyTorch's SDPA on the same GPU; then float32's cells."""
+    shapes = ((1, 2048, 64), (1, 8192, 64), (1, 2048, 128), (1, 8192, 128), (16, 1024, 64))
+    for batch, size, d in shapes:
+        for operation in ("sdpa", "sdpa_causal"):
+            shape = dict(operation=operation, batch=batch, heads=8, n=size, head_dim=d, device=CUDA, repeat=10)
+            label = f"{operation} ({batch}, 8, {size}, {d}) float16"
+            anchor = row(f"torch-sdpa {label}", Case("torch-sdpa", dtype="float16", **shape))
+            routed = row(f"cupy cudnn {label}", Case("attnx:cupy", dtype="float16", **shape))
+            ratio(routed, anchor)
+            if size == 2048:
+                with without_cudnn():
+                    own = row(f"cupy own kernels {label}", Case("attnx:cupy", dtype="float16", **shape))
+                ratio(own, anchor)
+    for batch, size, d in (*shapes, (1, 128, 64)):
+        for operation in ("sdpa", "sdpa_causal"):
+            shape = dict(operation=operation, batch=batch, heads=8, n=size, head_dim=d, device=CUDA, repeat=10)
+            label = f"{operation} ({batch}, 8, {size}, {d}) float32"
+            anchor = row(f"torch-sdpa {label}", Case("torch-sdpa", **shape))
+            ratio(row(f"cupy {label}", Case("attnx:cupy", **shape)), anchor)
+
+
+def launch_cost() -> None:
+    """CuPy's cost of one kernel launch from Python (an empty RawKernel, 2,000
+    launches then one wait), and of one small fused call, in microseconds."""
+    import time
+
+    import cupy as cp
+
+    empty = cp.RawKernel('extern "C" __global__ void nothing(int x) {}', "nothing")
+    empty((1,), (32,), (cp.int32(0),))
+    cp.cuda.Device().synchronize()
+    start = time.perf_counter()
+    for _ in range(2000):
+        empty((1,), (32,), (cp.int32(0),))
+    cp.cuda.Device().synchronize()
+    print(
+        json.dumps({"row": "cupy empty RawKernel launch", "us": round((time.perf_counter() - start) / 2000 * 1e6, 2)})
+    )
+    q = cp.random.default_rng(1).standard_normal((1, 8, 128, 64), dtype=cp.float32)
+    for causal in (False, True):
+        ms = synchronized_ms(
+            lambda causal=causal: attnx.scaled_dot_product_attention(q, q, q, is_causal=causal),
+            cp.cuda.Device().synchronize,
+            repeat=200,
+        )
+        print(
+            json.dumps({"row": f"cupy (1, 8, 128, 64) causal={causal} one call", "us": round(ms * 1e3, 1)}), flush=True
+        )
+
+
+def vjp() -> None:
+    """``attnx.vjp`` of SDPA on CuPy: its gradients against the float64
+    reference (NumPy), and its time and peak memory against PyTorch's
+    autograd of its own SDPA on the same GPU."""
+    import cupy as cp
+    import numpy as np
+    import torch
+
+    from attnx.benchmark import PoolPeak
+    from attnx_conformance import reference
+
+    rng = np.random.default_rng(2)
+    for name, (n, m, options) in {
+        "n 77, m 130": (77, 130, {}),
+        "causal n 77, m 130": (77, 130, {"is_causal": True}),
+        "causal n 130, m 77 (rows without keys)": (130, 77, {"is_causal": True}),
+        "key lengths 0 and 37": (64, 100, {"key_lengths": np.asarray([[0], [37]])}),
+    }.items():
+        q, k, v, g = (rng.standard_normal((2, 3, rows, 16)) for rows in (n, m, m, n))
+        args = {kw: cp.asarray(a) if isinstance(a, np.ndarray) else a for kw, a in options.items()}
+        try:
+            output, backward = attnx.vjp(
+                attnx.scaled_dot_product_attention, cp.asarray(q), cp.asarray(k), cp.asarray(v), **args
+            )
+            grads = backward(cp.asarray(g))
+            allowed = reference.allowed_mask(n, m, batch_shape=(2, 3), **options)
+            want = reference.scaled_dot_product_attention_vjp(q, k, v, g, allowed=allowed)
+            errors = {
+                key: float(np.max(np.abs(cp.asnumpy(grads[key]) - want[key]))) for key in ("query", "key", "value")
+            }
+            print(
+                json.dumps(
+                    {
+                        "row": f"cupy vjp float64 {name}",
+                        "max_abs_errors": errors,
+                        "nan": any(bool(cp.isnan(x).any()) for x in grads.values()),
+                    }
+                ),
+                flush=True,
+            )
+        except Exception as exc:
+            print(json.dumps({"row": f"cupy vjp float64 {name}", "error": repr(exc)[:500]}), flush=True)
+
+    from cupy.cuda import memory_hook
+
+    for batch, size in ((1, 2048), (16, 1024), (1, 8192)):
+        for causal in (False, True):
+            shape = (batch, 8, size, 64)
+            label = f"({batch}, 8, {size}, 64) causal={causal} float32"
+            q, k, v, g = (cp.random.default_rng(i).standard_normal(shape, dtype=cp.float32) for i in range(4))
+
+            def step(q=q, k=k, v=v, g=g, causal=causal):
+                _, backward = attnx.vjp(attnx.scaled_dot_product_attention, q, k, v, is_causal=causal)
+                return backward(g)
+
+            hook = type("PoolPeakHook", (PoolPeak, memory_hook.MemoryHook), {})()
+            cp.cuda.Device().synchronize()
+            with hook:
+                step()
+                cp.cuda.Device().synchronize()
+            ms = synchronized_ms(step, cp.cuda.Device().synchronize, repeat=5)
+            tq, tk, tv = (torch.randn(shape, device="cuda", requires_grad=True) for _ in range(3))
+            tg = torch.randn(shape, device="cuda")
+
+            def torch_step(tq=tq, tk=tk, tv=tv, tg=tg, causal=causal):
+                out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                return torch.autograd.grad(out, (tq, tk, tv), tg)
+
+            torch_step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            torch_step()
+            torch.cuda.synchronize()
+            torch_peak = torch.cuda.max_memory_allocated() - base
+            torch_ms = synchronized_ms(torch_step, torch.cuda.synchronize, repeat=5)
+            print(
+                json.dumps(
+                    {
+                        "row": f"vjp {label}",
+                        "cupy_ms": ms,
+                        "torch_ms": torch_ms,
+                        "ratio": round(ms / torch_ms, 2),
+                        "cupy_peak_mib": round(hook.peak / MiB, 1),
+                        "torch_peak_mib": round(torch_peak / MiB, 1),
+                    }
+                ),
+                flush=True,
+            )
+
+
 if __name__ == "__main__":
     functions = {
         "window": window,
@@ -734,6 +1012,11 @@ if __name__ == "__main__":
         "flash_outputs": flash_outputs,
         "flash_times": flash_times,
         "flash_rule": flash_rule,
+        "flash_queries": flash_queries,
+        "cudnn_outputs": cudnn_outputs,
+        "cudnn_times": cudnn_times,
+        "launch_cost": launch_cost,
+        "vjp": vjp,
     }
     for stage in sys.argv[1:] or ["window", "family"]:  # in the order named: the first is the surest to finish
         try:

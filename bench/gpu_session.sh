@@ -4,6 +4,8 @@
 #
 # Here, in the repository root (the wheels travel in .whl/, which git ignores):
 #     pip wheel --no-deps -w .whl . && pip download --no-deps -d .whl array-api-compat==1.16.0
+#     pip download --no-deps --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 \
+#         -d .whl/optional nvidia-cudnn-frontend==1.14.0   # cuDNN's route for float16
 # There (PyTorch, CuPy and JAX come with the machine's image):
 #     bash bench/gpu_session.sh          # SDPA timed, then the three suites
 #     bash bench/gpu_session.sh family   # the family's other operations timed, and SDPA in float16
@@ -20,7 +22,15 @@ set -u
 OUT=${OUT:-/tmp/attnx-gpu}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# Wheels that may not fit this machine's Python (cuDNN's frontend, built per version) are optional.
+if ls .whl/optional/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/optional/*.whl || echo "optional wheels not installed"
+fi
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+# The frontend looks for libcudnn beside the interpreter's packages; PyTorch's may be elsewhere.
+CUDNN_LIB=$(python3 -c "import nvidia.cudnn as c, os; print(os.path.join(list(c.__path__)[0], 'lib'))" 2>/dev/null)
+[ -n "$CUDNN_LIB" ] && export LD_LIBRARY_PATH=$CUDNN_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # JAX takes 75% of the GPU per process unless told not to, and multiplies
 # float32 matrices in TF32 unless told otherwise (conformance/RESULTS.md).
 export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest
@@ -32,6 +42,7 @@ cd "$(mktemp -d)" || exit 1
     lscpu | grep -E "^Model name|^CPU\(s\)"
     python3 -c "import sys, torch, cupy, jax, numpy; print(sys.version.split()[0], 'torch', torch.__version__, \
 'cupy', cupy.__version__, 'jax', jax.__version__, 'numpy', numpy.__version__, jax.devices())"
+    python3 -c "import cudnn; print('cudnn frontend', cudnn.__version__, 'backend', cudnn.backend_version())"
     attnx backends
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"

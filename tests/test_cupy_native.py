@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnx_backends import cupy_attention, cupy_backend, cupy_flash
+from attnx_backends import cupy_attention, cupy_backend, cupy_cudnn, cupy_flash
 from attnx_conformance import reference
 
 
@@ -237,7 +237,7 @@ def test_causal_blocks_of_rows_compute_no_key_in_every_rows_future():
 
 
 def numpy_flash_kernel(flash, query, key, value, limits, scale):
-    """The kernel's algorithm: each block of ``flash.rows`` queries walks
+    """The kernel's algorithm: each block of ``flash.block_queries`` queries walks
     the keys in tiles of ``flash.keys`` up to the furthest key any of its
     queries attends, joining each tile's exponentials by the online
     softmax."""
@@ -248,8 +248,8 @@ def numpy_flash_kernel(flash, query, key, value, limits, scale):
     output = np.zeros((slices, n, value.shape[-1]), dtype=query.dtype)
     minus_infinity = query.dtype.type(-np.inf)
     for s in range(slices):
-        for first_row in range(0, n, flash.rows):
-            rows = slice(first_row, min(n, first_row + flash.rows))
+        for first_row in range(0, n, flash.block_queries):
+            rows = slice(first_row, min(n, first_row + flash.block_queries))
             row_limit = limit[s, rows][:, None]
             most = np.full(row_limit.shape, minus_infinity)
             total = np.zeros(row_limit.shape, dtype=query.dtype)
@@ -270,8 +270,8 @@ def numpy_flash_kernel(flash, query, key, value, limits, scale):
     return output
 
 
-def _plan(dtype, rows, keys):
-    return cupy_flash.FlashPlan(np.dtype(dtype).name, 0, 0, rows, keys)
+def _plan(dtype, rows, keys, queries=1):
+    return cupy_flash.FlashPlan(np.dtype(dtype).name, 0, 0, rows, keys, queries)
 
 
 @settings(max_examples=300, deadline=None)
@@ -281,7 +281,7 @@ def _plan(dtype, rows, keys):
     m=st.integers(1, 11),
     is_causal=st.booleans(),
     lengths=st.sampled_from([None, "batch_first", "sequence", "query"]),
-    tiles=st.sampled_from([(32, 32), (4, 2), (2, 3), (1, 8)]),
+    tiles=st.sampled_from([(32, 32), (4, 2), (2, 3), (1, 8), (2, 2, 2), (1, 3, 4)]),
     scale=st.sampled_from(["float", "array"]),
     dtype=st.sampled_from([np.float32, np.float64]),
     keys_batch=st.sampled_from(["same", "none", "last", "ones"]),
@@ -441,3 +441,48 @@ def test_cupy_refuses_what_is_not_a_cuda_device(device):
     device 0 or 1."""
     with pytest.raises(ValueError, match=r"the cupy backend expects a CUDA device \('cuda:0', 0\), got"):
         cupy_backend._device_index(device)
+
+
+@pytest.mark.parametrize(
+    ("dtype_name", "sizes", "why"),
+    [
+        ("float32", {}, "float32 is attnx's own kernels' (cuDNN's would be TF32)"),
+        ("float64", {}, "cuDNN has no float64 attention"),
+        ("float16", {"d_k": 40}, "features cuDNN does not take"),
+        ("float16", {"d_v": 136}, "features past 128"),
+        ("float16", {"is_causal": True, "n": 300, "m": 200}, "causal queries without keys must give zeros"),
+        ("float16", {"scale": object()}, "a scale that is an array"),
+    ],
+)
+def test_the_cudnn_route_declines_what_it_cannot_do_exactly(dtype_name, sizes, why):
+    call = {"slices": 4, "n": 128, "m": 256, "d_k": 64, "d_v": 64, "is_causal": False, "scale": 0.125, "device": 0}
+    assert cupy_cudnn.plan(dtype_name, **{**call, **sizes}) is None, why
+
+
+def test_the_cudnn_route_says_why_it_cannot_run_without_cudnn():
+    reason = cupy_cudnn.unavailable_reason()
+    assert reason is None or "cudnn" in reason.lower()
+
+
+def test_without_cudnn_the_route_declines_every_call(monkeypatch):
+    monkeypatch.setattr(cupy_cudnn, "unavailable_reason", lambda: "no frontend")
+    call = {"slices": 4, "n": 128, "m": 256, "d_k": 64, "d_v": 64, "is_causal": True, "scale": 0.125, "device": 0}
+    assert cupy_cudnn.plan("float16", **call) is None
+
+
+@pytest.mark.parametrize(
+    ("choices", "d", "n", "expected"),
+    [
+        ((2, 1), 64, 8192, (64, 8, 2)),  # 2 x (64 + 8) floats fit; 128 threads of 2 queries pass the shared memory
+        ((2, 1), 128, 8192, (64, 8, 1)),  # 2 x (128 + 8) floats do not fit: one query a thread
+        ((2, 1), 64, 40, (32, 8, 2)),  # 40 queries: a block of 32 threads holds 64
+        ((4, 2, 1), 32, 8192, (128, 8, 2)),  # 4 x (32 + 8) floats pass the registers
+    ],
+)
+def test_flash_plan_gives_a_thread_several_queries_where_its_registers_hold_them(monkeypatch, choices, d, n, expected):
+    monkeypatch.setattr(cupy_flash, "QUERY_CHOICES", choices)
+    planned = cupy_flash.plan("float32", d, d, n, n, 8)
+    assert (planned.rows, planned.keys, planned.queries) == expected
+    source = cupy_flash.kernel_source(planned)
+    assert f"#define QPT {expected[2]}\n" in source
+    assert cupy_flash.kernel_name(planned).endswith("" if expected[2] == 1 else f"_{expected[2]}")
