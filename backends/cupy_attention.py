@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from attnx import blocks, get_memory_budget, natives
@@ -311,8 +311,8 @@ def prefers_fused(slices: int, n: int, m: int, itemsize: int, is_causal: bool, b
     return -(-slices // per_block) * -(-n // rows) * -(-m // key_chunk) >= FUSED_ROUNDS
 
 
-#: The fused kernel: ``(plan, query, key, value, limits, scale) -> output``
-#: on ``(slices, n, d)`` arrays (:func:`cupy_flash.attend`).
+#: The fused kernel: ``(plan, query, key, value, limits, scale, causal) ->
+#: output`` on ``(slices, n, d)`` arrays (:func:`cupy_flash.attend`).
 FusedKernel = Callable[[Any, Any, Any, Any, Any, float], Any]
 
 
@@ -338,8 +338,10 @@ def attend_fused(
     q, k, v = (_as_slices(xp, array, batch_shape) for array in (query, key, value))
     if not isinstance(scale, float):
         q, scale = q * scale, 1.0
-    limits = _row_limits(xp, key_lengths, is_causal, batch_shape, n, m, query.device)
-    output = kernel(flash, q, k, v, limits, scale)
+    # The causal rule alone is the kernel's own: no launches to lay out each query's keys.
+    in_kernel = is_causal and key_lengths is None
+    limits = None if in_kernel else _row_limits(xp, key_lengths, is_causal, batch_shape, n, m, query.device)
+    output = kernel(flash, q, k, v, limits, scale, in_kernel)
     return xp.reshape(output, (*batch_shape, n, value.shape[-1]))
 
 
@@ -446,22 +448,10 @@ def scaled_dot_product_attention(
     ):
         return NotImplemented
     if mask is None and key_lengths is None and chunk_size is None:
-        cudnn_call = cupy_cudnn.plan(
-            query.dtype.name,
-            slices=math.prod(batch_shape),
-            n=n,
-            m=m,
-            d_k=query.shape[-1],
-            d_v=value.shape[-1],
-            is_causal=is_causal,
-            scale=scale,
-            device=query.device.id,
-        )
+        cudnn_call = _cudnn_call(query, value, m, is_causal, scale, batch_shape)
         if cudnn_call is not None:  # half precision on the tensor cores
             with query.device:
-                q, k, v = (_as_slices(xp, array, batch_shape) for array in (query, key, value))
-                output = cupy_cudnn.attend(cudnn_call, q, k, v)
-            return xp.reshape(output, (*batch_shape, n, value.shape[-1]))
+                return _attend_cudnn(xp, cudnn_call, query, key, value, batch_shape)
     dtype, compute = query.dtype, blocks.state_dtype(xp, query.dtype)  # attnx's rule: half precision in float32
     if compute != dtype:
         query, key, value = (xp.astype(a, compute) for a in (query, key, value))
@@ -502,3 +492,67 @@ def scaled_dot_product_attention(
                 chunks=chunks if chunk_size is not None else None,
             )
     return output if output.dtype == dtype else xp.astype(output, dtype)
+
+
+def _cudnn_call(query: Any, value: Any, m: int, is_causal: bool, scale: Any, batch_shape: tuple[int, ...]) -> Any:
+    """cuDNN's call for these arrays (:mod:`cupy_cudnn`), or None where it
+    doesn't take them."""
+    return cupy_cudnn.plan(
+        query.dtype.name,
+        slices=math.prod(batch_shape),
+        n=query.shape[-2],
+        m=m,
+        d_k=query.shape[-1],
+        d_v=value.shape[-1],
+        is_causal=is_causal,
+        scale=scale,
+        device=query.device.id,
+    )
+
+
+def _attend_cudnn(xp: Any, call: Any, query: Any, key: Any, value: Any, batch_shape: tuple[int, ...]) -> Any:
+    """cuDNN's attention of arrays whose leading shapes broadcast to
+    ``batch_shape`` (those that don't fill it are laid out for it first)."""
+    q, k, v = (
+        array if array.shape[:-2] == batch_shape else _as_slices(xp, array, batch_shape)
+        for array in (query, key, value)
+    )
+    return cupy_cudnn.attend(call, q, k, v, (*batch_shape, query.shape[-2], value.shape[-1]))
+
+
+def call_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any] | None:
+    """A plan (:meth:`attnx.Backend.specialize`) for the calls this native
+    takes without a ``mask``, ``key_lengths`` or ``chunk_size`` and with a
+    float ``scale``: attnx's checks and dispatch cost some 45 us a call on
+    the host (docs/archive/bench-sessions.md, seventh GPU run), as much as
+    the GPU's work in a small call.  float16 calls that cuDNN takes go
+    straight to it; the rest to the native, which chooses its kernel at
+    every call (the memory budget may change)."""
+    query, key, value = arguments["query"], arguments["key"], arguments["value"]
+    batch_shape, is_causal, scale = arguments["batch_shape"], arguments["is_causal"], arguments["scale"]
+    if (
+        arguments["mask"] is not None
+        or arguments["key_lengths"] is not None
+        or arguments["chunk_size"] is not None
+        or arguments["return_weights"]
+        or type(scale) is not float
+        or query.dtype.name not in ("float32", "float64", "float16")
+        or 0 in (query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1], math.prod(batch_shape))
+    ):
+        return None  # the native declines these, or they differ from call to call
+    import array_api_compat.cupy as xp
+
+    cudnn_call = _cudnn_call(query, value, key.shape[-2], is_causal, scale, batch_shape)
+    if cudnn_call is not None:
+
+        def cudnn_plan(query: Any, key: Any, value: Any) -> Any:
+            with query.device:
+                return _attend_cudnn(xp, cudnn_call, query, key, value, batch_shape)
+
+        return cudnn_plan
+    options = {name: value for name, value in arguments.items() if name not in ("query", "key", "value")}
+
+    def native_plan(query: Any, key: Any, value: Any) -> Any:
+        return scaled_dot_product_attention(query=query, key=key, value=value, backend=backend, **options)
+
+    return native_plan

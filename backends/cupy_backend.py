@@ -76,6 +76,13 @@ class CuPyBackend(Backend):
             self._natives = {"scaled_dot_product_attention": sdpa}
         return self._natives
 
+    def specialize(self, operation: str, arguments: Mapping[str, Any]) -> Callable[..., Any] | None:
+        if operation == "scaled_dot_product_attention":
+            from . import cupy_attention
+
+            return cupy_attention.call_plan(self, arguments)
+        return None
+
     def synchronize(self, device: Any = None) -> None:
         import cupy
 

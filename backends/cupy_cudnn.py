@@ -138,20 +138,39 @@ def _graph(call: CudnnCall) -> tuple[Any, Any, Any, Any, Any, int] | None:
         return graph, query, key, value, output, graph.get_workspace_size()
 
 
-def attend(call: CudnnCall, query: Any, key: Any, value: Any) -> Any:
-    """The attention of float16 CuPy arrays ``(slices, n, d_k)``,
-    ``(slices, m, d_k)`` and ``(slices, m, d_v)`` as ``call`` plans it:
-    ``(slices, n, d_v)``, one cuDNN launch on the current stream.  Inputs
-    laid out otherwise are copied."""
-    import cudnn
+def attend(call: CudnnCall, query: Any, key: Any, value: Any, output_shape: tuple[int, ...]) -> Any:
+    """The attention of float16 CuPy arrays laid out as ``(slices, n, d_k)``,
+    ``(slices, m, d_k)`` and ``(slices, m, d_v)`` (any leading shape of
+    ``slices`` elements) as ``call`` plans it: ``output_shape``, one cuDNN
+    launch on the current stream.  Inputs not C-ordered are copied first."""
     import cupy
 
     graph, query_t, key_t, value_t, output_t, workspace_bytes = _graph(call)
-    query, key, value = (cupy.ascontiguousarray(array) for array in (query, key, value))
-    output = cupy.empty((call.slices, call.n, call.d_v), dtype=query.dtype)
-    workspace = cupy.empty((max(1, workspace_bytes),), dtype=cupy.uint8)
-    handle = _handle(call.device)
-    cudnn.set_stream(handle=handle, stream=cupy.cuda.get_current_stream().ptr)
+    query, key, value = (
+        array if array.flags.c_contiguous else cupy.ascontiguousarray(array) for array in (query, key, value)
+    )
+    output = cupy.empty(output_shape, dtype=query.dtype)
+    # cuDNN's forward usually asks no workspace; one it asks comes from CuPy's pool, a call's own.
+    workspace = cupy.empty((workspace_bytes,), dtype=cupy.uint8) if workspace_bytes else None
     buffers = {query_t: query.data.ptr, key_t: key.data.ptr, value_t: value.data.ptr, output_t: output.data.ptr}
-    graph.execute(buffers, workspace.data.ptr, handle=handle)
+    graph.execute(
+        buffers,
+        0 if workspace is None else workspace.data.ptr,
+        handle=_handle_on_stream(call.device, cupy.cuda.get_current_stream().ptr),
+    )
     return output
+
+
+#: Each device's handle's stream: cuDNN's cudnnSetStream queries the driver
+#: at every call, so it is called only where the stream changed.
+_streams: dict[int, int] = {}
+
+
+def _handle_on_stream(device: int, stream: int) -> int:
+    import cudnn
+
+    handle = _handle(device)
+    if _streams.get(device) != stream:
+        cudnn.set_stream(handle=handle, stream=stream)
+        _streams[device] = stream
+    return handle

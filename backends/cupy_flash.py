@@ -15,8 +15,9 @@ tile and its values loaded once into shared memory for all the block's
 queries.  Each tile's scores live in registers: the tile's maximum
 rescales what the thread has summed so far (the online softmax), its
 exponentials are added to the sum and multiply the tile's values.  The
-causal rule and ``key_lengths`` arrive as one number per query, the keys
-it attends (:func:`attnx.natives.key_counts`): a block stops at the
+causal rule alone is applied in the kernel, from each query's position;
+``key_lengths`` arrive as one number per query, the keys it attends
+(:func:`attnx.natives.key_counts`, the causal rule included): a block stops at the
 furthest key any of its queries attends, so a causal call computes about
 half the scores, and the blocks with the most keys start first.
 
@@ -57,7 +58,7 @@ __device__ __forceinline__ T part(const V& v, int c) { return reinterpret_cast<c
 
 extern "C" __global__ void __launch_bounds__(ROWS) KERNEL_NAME(
         const T* __restrict__ query, const T* __restrict__ key, const T* __restrict__ value,
-        T* __restrict__ output, const int* __restrict__ limits, const int has_limits,
+        T* __restrict__ output, const int* __restrict__ limits, const int has_limits, const int causal,
         const int n, const int m, const int row_blocks, const T scale) {
     // A row of queries is padded by one vector, so that the threads' loads of
     // their own rows fall in different banks.
@@ -89,6 +90,10 @@ extern "C" __global__ void __launch_bounds__(ROWS) KERNEL_NAME(
         if (has_limits) {
             limit[r] = row < n ? limits[slice * n + row] : 0;
             limit[r] = limit[r] < 0 ? 0 : (limit[r] > m ? m : limit[r]);
+        }
+        if (causal) {  // attnx's alignment: query i attends the keys j <= i + m - n
+            const int keys_seen = row + 1 + m - n;
+            limit[r] = keys_seen < 0 ? 0 : (keys_seen < limit[r] ? keys_seen : limit[r]);
         }
         if (row < n) atomicMax(&block_stop, limit[r]);
     }
@@ -318,11 +323,12 @@ def _kernel(flash: FlashPlan) -> Any:
     return cupy.RawKernel(kernel_source(flash), kernel_name(flash))
 
 
-def attend(flash: FlashPlan, query: Any, key: Any, value: Any, limits: Any, scale: float) -> Any:
+def attend(flash: FlashPlan, query: Any, key: Any, value: Any, limits: Any, scale: float, causal: bool = False) -> Any:
     """The attention of CuPy arrays ``(slices, n, d_k)``, ``(slices, m,
     d_k)`` and ``(slices, m, d_v)`` (C-ordered, in ``flash``'s dtype), each
     query's scores ``scale`` times its dot products, ``limits``
-    ``(slices, n)`` the keys each attends (or None for every key):
+    ``(slices, n)`` the keys each attends (or None for every key), and
+    ``causal`` the causal rule applied in the kernel besides:
     ``(slices, n, d_v)``, one launch.  Inputs laid out otherwise are
     copied."""
     import cupy
@@ -344,6 +350,7 @@ def attend(flash: FlashPlan, query: Any, key: Any, value: Any, limits: Any, scal
             output,
             limits,
             cupy.int32(has_limits),
+            cupy.int32(causal),
             cupy.int32(n),
             cupy.int32(m),
             cupy.int32(row_blocks),

@@ -764,10 +764,12 @@ def without_cudnn() -> Any:
 
     plan = cupy_cudnn.plan
     cupy_cudnn.plan = lambda *args, **kwargs: None
+    attnx._registry.registry._plans.clear()  # plans made with the route hold it
     try:
         yield
     finally:
         cupy_cudnn.plan = plan
+        attnx._registry.registry._plans.clear()
 
 
 def cudnn_outputs() -> None:
@@ -839,6 +841,7 @@ def cudnn_outputs() -> None:
                 is not None
             )
             got = attnx.scaled_dot_product_attention(q, k, v, **options)
+            again = attnx.scaled_dot_product_attention(q, k, v, **options)  # a plan's, where attnx makes one
             want = attnx.scaled_dot_product_attention(*(a.astype(cp.float32) for a in (q, k, v)), **options)
             error = float(cp.max(cp.abs(got.astype(cp.float32) - want))) / max(float(cp.max(cp.abs(want))), 1e-30)
             line = {
@@ -848,6 +851,7 @@ def cudnn_outputs() -> None:
                 "shape": list(got.shape),
                 "error_of_max": f"{error:.2e}",
                 "nan": bool(cp.isnan(got).any()),
+                "second_call_equal": bool(cp.array_equal(got, again)),
             }
         except Exception as exc:
             line = {"row": f"cudnn outputs {name}", "error": repr(exc)[:500]}

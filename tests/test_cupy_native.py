@@ -236,7 +236,7 @@ def test_causal_blocks_of_rows_compute_no_key_in_every_rows_future():
 # kernel itself: bench/gpu_checks.py flash_outputs and the suite on a GPU.
 
 
-def numpy_flash_kernel(flash, query, key, value, limits, scale):
+def numpy_flash_kernel(flash, query, key, value, limits, scale, causal=False):
     """The kernel's algorithm: each block of ``flash.block_queries`` queries walks
     the keys in tiles of ``flash.keys`` up to the furthest key any of its
     queries attends, joining each tile's exponentials by the online
@@ -245,6 +245,8 @@ def numpy_flash_kernel(flash, query, key, value, limits, scale):
     slices, n, _ = query.shape
     m = key.shape[1]
     limit = np.full((slices, n), m) if limits is None else np.clip(limits, 0, m)
+    if causal:  # the kernel's own rule, from each query's position
+        limit = np.minimum(limit, np.clip(np.arange(n) + 1 + m - n, 0, None))
     output = np.zeros((slices, n, value.shape[-1]), dtype=query.dtype)
     minus_infinity = query.dtype.type(-np.inf)
     for s in range(slices):
@@ -342,7 +344,7 @@ def test_a_fused_kernel_that_drops_the_limits_fails():
     plan = _plan(np.float64, 32, 32)
     right = cupy_attention.attend_fused(xp, numpy_flash_kernel, plan, **arguments, batch_shape=(1,))
     wrong = cupy_attention.attend_fused(
-        xp, lambda *args: numpy_flash_kernel(*args[:4], None, args[5]), plan, **arguments, batch_shape=(1,)
+        xp, lambda *args: numpy_flash_kernel(*args[:4], None, args[5], False), plan, **arguments, batch_shape=(1,)
     )
     assert not np.allclose(right, wrong)
 
