@@ -248,10 +248,14 @@ def generic_on_cupy() -> Any:
     """attnx's generic algorithm on CuPy: the backend's natives set aside."""
     backend = attnx._registry.get("cupy")
     backend._natives = {}
+    attnx._registry._plans.clear()  # a plan made before holds the native
+    backend.specialize = lambda operation, arguments: None
     try:
         yield
     finally:
         backend._natives = None  # built again at the next call
+        del backend.specialize
+        attnx._registry._plans.clear()
 
 
 def native_outputs() -> None:
@@ -764,12 +768,12 @@ def without_cudnn() -> Any:
 
     plan = cupy_cudnn.plan
     cupy_cudnn.plan = lambda *args, **kwargs: None
-    attnx._registry.registry._plans.clear()  # plans made with the route hold it
+    attnx._registry._plans.clear()  # plans made with the route hold it
     try:
         yield
     finally:
         cupy_cudnn.plan = plan
-        attnx._registry.registry._plans.clear()
+        attnx._registry._plans.clear()
 
 
 def cudnn_outputs() -> None:
