@@ -21,6 +21,7 @@ from attnx.attention import (
     scaled_dot_product_attention,
     sdpa_tile_plan,
 )
+from attnx.kernel_regression import nadaraya_watson, nadaraya_watson_vjp
 
 __all__ = ["vjp"]
 
@@ -34,8 +35,8 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     Parameters
     ----------
     operation : callable
-        :func:`attnx.scaled_dot_product_attention` or
-        :func:`attnx.masked_softmax`.
+        :func:`attnx.scaled_dot_product_attention`,
+        :func:`attnx.masked_softmax` or :func:`attnx.nadaraya_watson`.
     *args, **kwargs
         Its arguments, as the operation takes them.
 
@@ -48,17 +49,19 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
         cotangents of the operation's floating-point array arguments, by
         parameter name: ``query``, ``key``, ``value`` and, where it was an
         array or a NumPy scalar, ``scale``; ``scores`` (and a real ``mask``) for
-        ``masked_softmax``.  Each has its argument's shape (broadcast axes
-        summed) and dtype.
+        ``masked_softmax``; ``queries``, ``keys``, ``values`` and (an array's
+        or a NumPy scalar's) ``bandwidth`` for ``nadaraya_watson``.  Each has
+        its argument's shape (broadcast axes summed) and dtype.
 
     Raises
     ------
     TypeError
         If ``operation`` is not one that :func:`vjp` differentiates, a real
         (additive) mask is given to ``scaled_dot_product_attention`` (its
-        gradient is not implemented yet), or the cotangent is not an array
-        of the output's backend and dtype; and whatever ``operation`` raises
-        for its arguments.
+        gradient is not implemented yet), a kernel of the user's own to
+        ``nadaraya_watson``, or the cotangent is not an array of the
+        output's backend and dtype; and whatever ``operation`` raises for
+        its arguments.
     ValueError
         If ``return_weights=True`` is asked (differentiate the weights through
         :func:`attnx.masked_softmax`), or the cotangent's shape is not the
@@ -70,6 +73,7 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     recomputed from its rows' maximum and sum, and no ``(n, m)`` tile
     outlives its step; tiles the forward skips (the causal future) are
     skipped, and rows that attend nothing get zero gradients.
+    Nadaraya-Watson's walks the forward's chunks of queries.
 
     Examples
     --------
@@ -93,10 +97,13 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
         return _attention_vjp(*args, **kwargs)
     if operation is masked_softmax:
         return _softmax_vjp(*args, **kwargs)
+    if operation is nadaraya_watson:
+        return nadaraya_watson_vjp(*args, **kwargs)
     name = getattr(operation, "__qualname__", repr(operation))
     raise TypeError(
-        f"{_VJP}: can't differentiate {name} yet; it differentiates attnx.scaled_dot_product_attention and "
-        "attnx.masked_softmax (on PyTorch and JAX, their own autograd differentiates every operation)"
+        f"{_VJP}: can't differentiate {name} yet; it differentiates attnx.scaled_dot_product_attention, "
+        "attnx.masked_softmax and attnx.nadaraya_watson (on PyTorch and JAX, their own autograd differentiates "
+        "every operation)"
     )
 
 
@@ -158,7 +165,7 @@ def _attention_vjp(
     )
 
     def backward(cotangent: Any) -> dict[str, Any]:
-        _require_cotangent(operation, xp, cotangent, output)
+        _checks.require_cotangent(operation, cotangent, output)
         d_query, d_key, d_value, d_scale = _tiling.backward_tiles(
             xp,
             query,
@@ -200,7 +207,7 @@ def _softmax_vjp(
     real_mask = mask is not None and _checks.is_float_dtype(xp, mask.dtype)
 
     def backward(cotangent: Any) -> dict[str, Any]:
-        _require_cotangent(operation, xp, cotangent, weights)
+        _checks.require_cotangent(operation, cotangent, weights)
         compute, (w, g) = _checks.in_accumulation_dtype(xp, weights, cotangent)
         d_scores = w * (g - xp.sum(g * w, axis=axis, keepdims=True))  # 0 where masked: w is 0 there
         grads = {"scores": _like(xp, d_scores, scores)}
@@ -209,23 +216,6 @@ def _softmax_vjp(
         return grads
 
     return weights, backward
-
-
-def _require_cotangent(operation: str, xp: Any, cotangent: Any, output: Any) -> None:
-    if type(cotangent) is not type(output):
-        raise TypeError(
-            f"{operation}: the cotangent must be an array like the output "
-            f"({type(output).__module__}.{type(output).__name__}), got {type(cotangent).__module__}.{type(cotangent).__name__}"
-        )
-    if tuple(cotangent.shape) != tuple(output.shape):
-        raise ValueError(
-            f"{operation}: the cotangent must have the output's shape {tuple(output.shape)}, got {tuple(cotangent.shape)}"
-        )
-    if cotangent.dtype != output.dtype:
-        raise TypeError(
-            f"{operation}: the cotangent must have the output's dtype {_checks.dtype_label(output.dtype)}, "
-            f"got {_checks.dtype_label(cotangent.dtype)}"
-        )
 
 
 def _like(xp: Any, gradient: Any, argument: Any) -> Any:

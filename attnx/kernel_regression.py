@@ -9,7 +9,7 @@ from typing import Any
 from attnx import _checks, _dispatch, _masking, _tiling, blocks
 from attnx._typing import Array
 
-__all__ = ["KERNELS", "combine_states_along", "finish_state", "kernel_state", "nadaraya_watson"]
+__all__ = ["KERNELS", "combine_states_along", "finish_state", "kernel_state", "nadaraya_watson", "nadaraya_watson_vjp"]
 
 _NW = "nadaraya_watson"
 
@@ -444,3 +444,107 @@ def finish_state(state: Any, values: Any, *, dtype: Any = None, xp: Any = None) 
     values of shape ``(m,)``, in ``dtype`` (the state's by default)."""
     estimate = blocks.finish(state, dtype=dtype, xp=xp or _checks.common_namespace(state))
     return estimate if values.ndim == 2 else estimate[:, 0]
+
+
+def nadaraya_watson_vjp(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    *,
+    kernel: Any = "gaussian",
+    bandwidth: Any = 1.0,
+    return_weights: bool = False,
+    backend: str | None = None,
+) -> tuple[Any, Callable[[Any], dict[str, Any]]]:
+    """:func:`attnx.vjp` of :func:`nadaraya_watson`: the estimate, and its
+    backward, a chunk of queries at a time as the forward.
+
+    Each named kernel is a function of ``t = (d / b)^2``: with the weights
+    ``w = K(t) / sum K(t)`` and ``a = g v^T``, ``dt = (a - g . f) dK/dt /
+    sum K(t)`` (the gaussian's ``dK/dt / K`` is ``-1/2``, the boxcar's 0);
+    then ``dq = 2 / b^2 (rowsum(dt) q - dt k)``, ``dk = 2 / b^2 (colsum(dt)
+    k - dt^T q)``, ``db = -2 / b sum(dt t)`` and ``dv = w^T g``."""
+    operation = f"vjp({_NW})"
+    _checks.require_flag(operation, "return_weights", return_weights)
+    if return_weights:
+        raise ValueError(f"{operation}: return_weights=True has two outputs; differentiate the estimate alone")
+    if not isinstance(kernel, str):
+        raise TypeError(
+            f"{operation}: a kernel of your own has no gradient here; give one of {sorted(KERNELS)}, or "
+            "differentiate attnx.nadaraya_watson with PyTorch's or JAX's autograd, which differentiate your kernel"
+        )
+    estimate = nadaraya_watson(queries, keys, values, kernel=kernel, bandwidth=bandwidth, backend=backend)
+    chosen, _ = _dispatch.resolve(
+        operation,
+        backend,
+        ("queries", "keys", "values", "bandwidth"),
+        (queries, keys, values, _checks.scale_array(bandwidth)),
+        3,
+    )
+    # A 0-d array, or NumPy's scalar (what arithmetic on a 0-d array gives back): a learned width.
+    learned = type(bandwidth) not in (int, float)
+    xp = chosen.xp
+    block_bytes = _tiling.chunk_bytes(chosen, queries)
+
+    def backward(cotangent: Any) -> dict[str, Any]:
+        _checks.require_cotangent(operation, cotangent, estimate)
+        dtype = queries.dtype
+        q, k, v, b = _in_state_dtype(xp, queries, keys, values, bandwidth if learned else float(bandwidth))
+        compute = q.dtype
+        g, f = (a if a.dtype == compute else xp.astype(a, compute) for a in (cotangent, estimate))
+        # Scalar positions as one feature, scalar values as one column: |q - k| is the distance of both.
+        q, k, v, g, f = (a if a.ndim == 2 else a[:, None] for a in (q, k, v, g, f))
+        n, m = q.shape[0], k.shape[0]
+        step = n
+        if _checks.known(n, m, k.shape[1]):
+            features = k.shape[1] if k.shape[1] > _FEATURES_ONE_AT_A_TIME else 1
+            step = max(1, _tiling.rows_per_chunk(block_bytes, _tiling.itemsize(xp, compute) * m * features))
+        flat = kernel == "boxcar"  # flat wherever it is differentiable: only the values get gradients
+        d_queries, d_keys, d_values, d_bandwidth = [], xp.zeros_like(k), xp.zeros_like(v), xp.sum(xp.zeros_like(k))
+        for start in range(0, max(n, 1), step):  # a chunk of queries at a time, as the forward: no (n, m) whole
+            rows = slice(start, min(n, start + step))  # in bounds: the standard leaves other stops unspecified
+            q_rows, g_rows, f_rows = q[rows, ...], g[rows, ...], f[rows, ...]
+            kernel_values, _, _ = _kernel_values(xp, q_rows, k, kernel, b)
+            totals = _masking.safe_total(xp, kernel_values)
+            weights = kernel_values / totals
+            d_values = d_values + xp.matrix_transpose(weights) @ g_rows
+            if flat:
+                d_queries.append(xp.zeros_like(q_rows))
+                continue
+            # How the loss moves with each kernel value, then with t = (d / b)^2.
+            pulls = g_rows @ xp.matrix_transpose(v) - xp.sum(g_rows * f_rows, axis=-1, keepdims=True)
+            distances = _distances(xp, q_rows, k) / b
+            t = distances * distances
+            if kernel == "gaussian":  # dK/dt = -K / 2, and K over its row's total is the weight
+                d_t = -0.5 * weights * pulls
+            else:  # the epanechnikov: dK/dt = -3/4 inside its support
+                d_t = xp.where(t < 1.0, -0.75 * pulls / totals, xp.zeros_like(pulls))
+            factor = 2.0 / (b * b)
+            d_queries.append(factor * (xp.sum(d_t, axis=-1, keepdims=True) * q_rows - d_t @ k))
+            column_sums = xp.matrix_transpose(xp.sum(d_t, axis=0, keepdims=True))
+            d_keys = d_keys + factor * (column_sums * k - xp.matrix_transpose(d_t) @ q_rows)
+            # A key whose weight underflowed moves nothing, however far it is (its t may be inf).
+            d_bandwidth = d_bandwidth - 2.0 / b * xp.sum(xp.where(d_t == 0, xp.zeros_like(t), d_t * t))
+        grads = {
+            "queries": _shaped(
+                xp, xp.concat(d_queries, axis=0) if len(d_queries) > 1 else d_queries[0], queries, dtype
+            ),
+            "keys": _shaped(xp, d_keys, keys, dtype),
+            "values": _shaped(xp, d_values, values, dtype),
+        }
+        if learned:
+            grads["bandwidth"] = (
+                xp.astype(d_bandwidth, bandwidth.dtype)
+                if chosen.owns(bandwidth) and d_bandwidth.dtype != bandwidth.dtype
+                else d_bandwidth
+            )
+        return grads
+
+    return estimate, backward
+
+
+def _shaped(xp: Any, gradient: Any, argument: Any, dtype: Any) -> Any:
+    """A gradient computed over ``(rows, features)`` in its argument's shape and dtype."""
+    if argument.ndim == 1:
+        gradient = gradient[:, 0]
+    return gradient if gradient.dtype == dtype else xp.astype(gradient, dtype)

@@ -300,3 +300,40 @@ def flex_attention(
         scores = score(scores, b, h, i, j)
     weights = softmax(scores, allowed)
     return np.einsum("bhnm,bhmd->bhnd", weights, value), weights
+
+
+#: Each named kernel's derivative in t = u^2, as a function of t.
+KERNEL_SLOPES = {
+    "gaussian": lambda t: -0.5 * np.exp(-t / 2),
+    "boxcar": lambda t: np.zeros_like(t),
+    "epanechnikov": lambda t: np.where(t < 1, -0.75, 0.0),
+}
+
+
+def nadaraya_watson_vjp(queries, keys, values, cotangent, kernel="gaussian", bandwidth=1.0):
+    """The cotangents of ``queries``, ``keys``, ``values`` and ``bandwidth``
+    from the chain rule on the dense formula, with each kernel a function of
+    ``t = (|q - k| / b)^2``: ``w = K(t) / Z``, ``dK = (g . v - g . f) / Z``,
+    ``dt = dK K'(t)``, ``dq = sum_j dt 2 (q - k_j) / b^2``, ``dk = -sum_i dt
+    2 (q_i - k) / b^2``, ``db = sum dt (-2 t / b)``, ``dv = w^T g``."""
+    scalar_positions, scalar_values = np.ndim(keys) == 1, np.ndim(values) == 1
+    q, k = (np.asarray(a, dtype=np.float64).reshape(len(a), -1) for a in (queries, keys))
+    v, g = (np.asarray(a, dtype=np.float64).reshape(len(a), -1) for a in (values, cotangent))
+    difference = q[:, None, :] - k[None, :, :]  # (n, m, d)
+    t = (difference**2).sum(-1) / bandwidth**2
+    kernel_values = np.vectorize(lambda u: KERNELS[kernel](u))(np.sqrt(t))
+    totals = kernel_values.sum(-1, keepdims=True)
+    totals = np.where(totals == 0, 1.0, totals)
+    weights = kernel_values / totals
+    estimate = weights @ v
+    d_kernel = (g @ v.T - (g * estimate).sum(-1, keepdims=True)) / totals
+    d_t = d_kernel * KERNEL_SLOPES[kernel](t)
+    d_queries = (d_t[:, :, None] * 2 * difference / bandwidth**2).sum(1)
+    d_keys = -(d_t[:, :, None] * 2 * difference / bandwidth**2).sum(0)
+    grads = {
+        "queries": d_queries[:, 0] if scalar_positions else d_queries,
+        "keys": d_keys[:, 0] if scalar_positions else d_keys,
+        "values": (weights.T @ g)[:, 0] if scalar_values else weights.T @ g,
+        "bandwidth": float((d_t * (-2 * t / bandwidth)).sum()),
+    }
+    return grads

@@ -3,6 +3,8 @@ the forward's tiles in the array API, against the float64 chain rule."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -80,3 +82,42 @@ def test_softmax_gradients_equal_the_chain_rule(attnx_backend):
     expected_weights = reference.softmax(scores, np.arange(6) < lengths[:, None, None])
     expected = expected_weights * (cotangent - np.sum(cotangent * expected_weights, axis=-1, keepdims=True))
     assert_close(grads["scores"], expected, be, dtype)
+
+
+NW_CASES = [
+    # (name, query shape, key shape, value shape, kernel, memory budget): vector
+    # positions in chunks of queries, scalar ones with the compact kernels
+    ("gaussian, vectors, chunks of queries", (9, 3), (11, 3), (11, 2), "gaussian", 256),
+    ("epanechnikov, scalars", (7,), (12,), (12,), "epanechnikov", None),
+    ("boxcar, scalars: the values alone move", (7,), (12,), (12, 2), "boxcar", None),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "query_shape", "key_shape", "value_shape", "kernel", "budget"), NW_CASES, ids=[c[0] for c in NW_CASES]
+)
+def test_nadaraya_watson_gradients_equal_the_chain_rule(
+    attnx_backend, name, query_shape, key_shape, value_shape, kernel, budget
+):
+    be = attnx_backend
+    dtype = be.dtype("float64")
+    gen = rng(60, len(query_shape))
+    data = {
+        "queries": gen.standard_normal(query_shape),
+        "keys": gen.standard_normal(key_shape),
+        "values": gen.standard_normal(value_shape),
+    }
+    data = {k: rounded(v, be, dtype) for k, v in data.items()}
+    arrays = {k: be.array(v, dtype) for k, v in data.items()}
+    bandwidth = 1.5
+    with attnx.memory_budget(budget) if budget else contextlib.nullcontext():
+        estimate, backward = attnx.vjp(
+            attnx.nadaraya_watson, **arrays, kernel=kernel, bandwidth=be.array(np.asarray(bandwidth), dtype)
+        )
+        cotangent = rounded(gen.standard_normal(tuple(estimate.shape)), be, dtype)
+        grads = backward(be.array(cotangent, dtype))
+    expected = reference.nadaraya_watson_vjp(**data, cotangent=cotangent, kernel=kernel, bandwidth=bandwidth)
+    assert sorted(grads) == ["bandwidth", "keys", "queries", "values"]
+    for argument in ("queries", "keys", "values"):
+        assert_close(grads[argument], expected[argument], be, dtype, like=arrays[argument], scale=4.0)
+    assert_close(grads["bandwidth"], np.asarray(expected["bandwidth"]), be, dtype, scale=16.0)

@@ -3,6 +3,7 @@ refusals, its memory, and under jax.jit."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import numpy as np
@@ -81,9 +82,9 @@ def test_a_float_scale_gets_no_gradient_and_dtypes_are_kept():
     ("call", "error", "words"),
     [
         (
-            lambda q: attnx.vjp(attnx.nadaraya_watson, q[0, :, 0], q[0, :, 0], q[0, :, 0]),
+            lambda q: attnx.vjp(attnx.sinusoidal_positions, 4, 8),
             TypeError,
-            "can't differentiate nadaraya_watson",
+            "can't differentiate sinusoidal_positions",
         ),
         (
             lambda q: attnx.vjp(attnx.scaled_dot_product_attention, q, q, q, return_weights=True),
@@ -147,3 +148,70 @@ def test_under_jax_jit_the_backward_equals_eager():
     expected = jax.vjp(lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)[1](g)
     for name, want in zip(("query", "key", "value"), expected):
         np.testing.assert_allclose(np.asarray(eager[name]), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+def _torch_nadaraya_watson(q, k, v, bandwidth, kernel):
+    """The estimate in PyTorch, float64, from the formula: each kernel of ``u = |q - k| / b``."""
+    if k.ndim == 1:
+        u = (q[:, None] - k[None, :]).abs() / bandwidth
+    else:
+        u = ((q[:, None, :] - k[None, :, :]) ** 2).sum(-1).sqrt() / bandwidth
+    if kernel == "gaussian":
+        values = torch.exp(-u * u / 2)
+    elif kernel == "epanechnikov":
+        values = (0.75 * (1 - u * u)).clamp(min=0)
+    else:
+        values = (u <= 1).double()
+    totals = values.sum(-1, keepdim=True)
+    weights = values / torch.where(totals == 0, torch.ones_like(totals), totals)
+    return weights @ v if v.ndim == 2 else weights @ v
+
+
+NW_GRID = list(
+    itertools.product(
+        ["gaussian", "epanechnikov", "boxcar"],
+        [((6,), (9,), (9,)), ((6, 3), (9, 3), (9, 2)), ((5, 20), (7, 20), (7,))],  # scalar, vector, wide positions
+        [None, 256],  # memory budget: one chunk of queries, or many
+    )
+)
+
+
+@pytest.mark.parametrize(("kernel", "shapes", "budget"), NW_GRID)
+def test_nadaraya_watson_gradients_equal_pytorch_s_autograd(kernel, shapes, budget):
+    gen = np.random.default_rng(len(shapes[0]))
+    q, k, v = (gen.standard_normal(shape) for shape in shapes)
+    bandwidth = 2.5 if shapes[0] == (5, 20) else 1.3  # wide positions: some keys within the compact kernels
+    with attnx.memory_budget(budget) if budget else contextlib.nullcontext():
+        out, backward = attnx.vjp(attnx.nadaraya_watson, q, k, v, kernel=kernel, bandwidth=np.asarray(bandwidth))
+        cotangent = gen.standard_normal(out.shape)
+        grads = backward(cotangent)
+    leaves = [torch.tensor(a, requires_grad=True) for a in (q, k, v, np.asarray(bandwidth))]
+    expected = _torch_nadaraya_watson(*leaves, kernel)
+    np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+    torch_grads = torch.autograd.grad(expected, leaves, torch.tensor(cotangent), allow_unused=True)
+    for name, want in zip(("queries", "keys", "values", "bandwidth"), torch_grads):
+        want = np.zeros(()) if want is None else want.numpy()
+        np.testing.assert_allclose(grads[name], want, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_nadaraya_watson_gradients_keep_dtypes_and_a_float_bandwidth_gets_none():
+    x = np.linspace(0, 5, 20, dtype=np.float32)
+    out, backward = attnx.vjp(attnx.nadaraya_watson, x[:4], x, np.sin(x), bandwidth=0.5)
+    grads = backward(np.ones_like(out))
+    assert sorted(grads) == ["keys", "queries", "values"]
+    assert {g.dtype for g in grads.values()} == {np.dtype(np.float32)}
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        ({"kernel": lambda u: 1.0 / (1.0 + u)}, TypeError, "kernel of your own"),
+        ({"return_weights": True}, ValueError, "two outputs"),
+        ({"bandwidth": -1.0}, ValueError, "bandwidth must be positive"),
+    ],
+    ids=["own kernel", "weights", "bad bandwidth"],
+)
+def test_what_the_nadaraya_watson_vjp_cannot_do_is_refused_by_name(options, error, words):
+    x = np.linspace(0, 1, 5)
+    with pytest.raises(error, match=words):
+        attnx.vjp(attnx.nadaraya_watson, x, x, x, **options)
