@@ -71,7 +71,7 @@ def test_kernel_regression_fit_equals_the_formula_at_the_learned_width(tmp_path)
     assert out.stat().st_size > 10_000
     w = float(re.search(r"learned w ([\d.]+)", result.stdout).group(1))
     error = float(re.search(r"mean squared error against the truth ([\d.]+)", result.stdout).group(1))
-    x_train, y_train, x_test = (t.numpy() for t in _module("nadaraya_watson_fit.py").make_data())
+    x_train, y_train, x_test = _module("nadaraya_watson_fit.py").make_data()
     weights = np.exp(-(((x_test[:, None] - x_train[None, :]) * w) ** 2) / 2)
     expected = weights @ y_train / weights.sum(1)
     truth = 2 * np.sin(x_test) + x_test**0.8
@@ -79,8 +79,27 @@ def test_kernel_regression_fit_equals_the_formula_at_the_learned_width(tmp_path)
     assert w != pytest.approx(1.0, abs=0.05), "the width was not learned"
 
 
-@pytest.mark.parametrize("script", ["bahdanau_seq2seq.py", "nadaraya_watson_fit.py"])
-def test_a_missing_dependency_is_reported_before_training(script, tmp_path):
+def test_kernel_regression_learns_the_same_width_through_vjp_on_numpy_as_through_pytorch_s_autograd(tmp_path):
+    widths = []
+    for options in ([], ["--autograd"]):
+        result = _run("nadaraya_watson_fit.py", "--steps", "20", "--out", str(tmp_path / "plot.png"), *options)
+        assert result.returncode == 0, result.stderr
+        widths.append(float(re.search(r"learned w ([\d.]+)", result.stdout).group(1)))
+    assert widths[0] == pytest.approx(widths[1], abs=1e-9)
+    assert widths[0] != pytest.approx(1.0, abs=0.05), "the width was not learned"
+
+
+def test_kernel_regression_names_a_backend_that_cannot_run_in_one_line(tmp_path):
+    result = _run("nadaraya_watson_fit.py", "--backend", "no-such-backend", "--out", str(tmp_path / "plot.png"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith("backend 'no-such-backend' can't run here: not registered")
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("script", "extras"), [("bahdanau_seq2seq.py", "torch,plot"), ("nadaraya_watson_fit.py", "plot")]
+)
+def test_a_missing_dependency_is_reported_before_training(script, extras, tmp_path):
     blocker = tmp_path / "sitecustomize.py"  # makes matplotlib look uninstalled
     blocker.write_text(
         "import importlib.util\n_find = importlib.util.find_spec\n"
@@ -95,7 +114,7 @@ def test_a_missing_dependency_is_reported_before_training(script, tmp_path):
         timeout=60,
     )
     assert result.returncode == 1
-    assert "needs matplotlib: pip install '.[torch,plot]' in attnx's clone" in result.stderr
+    assert f"needs matplotlib: pip install '.[{extras}]' in attnx's clone" in result.stderr
     assert "step" not in result.stdout
 
 
