@@ -485,22 +485,3 @@ def in_accumulation_dtype(xp: Any, *arrays: Any) -> tuple[Any, list[Any]]:
     if compute == arrays[0].dtype:
         return compute, list(arrays)
     return compute, [xp.astype(array, compute) for array in arrays]
-
-
-def require_cotangent(operation: str, cotangent: Any, output: Any) -> None:
-    """A cotangent given to a backward (:func:`attnx.vjp`): an array of the
-    output's type, shape and dtype."""
-    if type(cotangent) is not type(output):
-        raise TypeError(
-            f"{operation}: the cotangent must be an array like the output "
-            f"({type(output).__module__}.{type(output).__name__}), got {type(cotangent).__module__}.{type(cotangent).__name__}"
-        )
-    if tuple(cotangent.shape) != tuple(output.shape):
-        raise ValueError(
-            f"{operation}: the cotangent must have the output's shape {tuple(output.shape)}, got {tuple(cotangent.shape)}"
-        )
-    if cotangent.dtype != output.dtype:
-        raise TypeError(
-            f"{operation}: the cotangent must have the output's dtype {dtype_label(output.dtype)}, "
-            f"got {dtype_label(cotangent.dtype)}"
-        )

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from attnx import _checks, _dispatch
+from attnx import _checks, _cotangents, _dispatch
 from attnx._typing import Array
 
-__all__ = ["causal_conv1d", "receptive_field"]
+__all__ = ["causal_conv1d", "causal_conv1d_vjp", "receptive_field"]
 
 _CONV = "causal_conv1d"
 
@@ -165,3 +165,60 @@ def receptive_field(kernel_size: int | Sequence[int], dilations: Sequence[int]) 
     else:
         sizes = [_checks.require_positive_int(op, "kernel_size", kernel_size)] * len(dilations)
     return 1 + sum((k - 1) * d for k, d in zip(sizes, dilations))
+
+
+def causal_conv1d_vjp(
+    x: Any, weight: Any, bias: Any = None, *, stride: int = 1, dilation: int = 1, backend: str | None = None
+) -> tuple[Any, Callable[[Any], dict[str, Any]]]:
+    """:func:`attnx.vjp` of :func:`causal_conv1d`: its output, and its
+    backward, a tap at a time as the forward.
+
+    With the input left-padded as the forward pads it, tap ``k`` reads
+    ``x_pad[..., start_k + t * stride]``: its weight's gradient is the
+    cotangent times those inputs, summed over the leading axes, and the
+    input's is ``weight[:, :, k]^T`` times the cotangent, put back at those
+    positions (spread ``stride`` apart by interleaved zeros, no scatter)."""
+    operation = f"vjp({_CONV})"
+    output = causal_conv1d(x, weight, bias, stride=stride, dilation=dilation, backend=backend)
+    chosen, _ = _dispatch.resolve(operation, backend, ("x", "weight", "bias"), (x, weight, bias), 2)
+    xp = chosen.xp
+
+    def backward(cotangent: Any) -> dict[str, Any]:
+        _cotangents.require(operation, cotangent, output)
+        kernel_size, length, out_length = weight.shape[-1], x.shape[-1], cotangent.shape[-1]
+        pad = min((kernel_size - 1) * dilation, max(length - 1, 0))  # the forward's padding
+        padded = x
+        device = _checks.device_of(x)
+        if pad:
+            padded = xp.concat([xp.zeros((*x.shape[:-1], pad), dtype=x.dtype, device=device), x], axis=-1)
+        span = stride * (out_length - 1) + 1
+        leading = tuple(range(x.ndim - 2))
+        d_padded = xp.zeros_like(padded)
+        d_taps = []
+        for tap in range(kernel_size):
+            shift = (kernel_size - 1 - tap) * dilation
+            if length == 0 or shift > pad:  # a tap the forward skipped: it saw only zeros
+                d_taps.append(xp.zeros_like(weight[:, :, tap]))
+                continue
+            start = pad - shift
+            inputs = padded[..., start : start + span : stride]  # (..., c_in, out_length)
+            d_tap = cotangent @ xp.matrix_transpose(inputs)  # (..., c_out, c_in)
+            d_taps.append(xp.sum(d_tap, axis=leading) if leading else d_tap)
+            spread = xp.matrix_transpose(weight[:, :, tap]) @ cotangent  # (..., c_in, out_length)
+            if stride > 1:  # out_length values, stride apart: each followed by stride - 1 zeros
+                gaps = xp.zeros((*spread.shape, stride - 1), dtype=spread.dtype, device=device)
+                spread = xp.reshape(xp.concat([spread[..., None], gaps], axis=-1), (*spread.shape[:-1], -1))
+                spread = spread[..., :span]
+            after = padded.shape[-1] - start - span
+            parts = [spread]
+            if start:
+                parts.insert(0, xp.zeros((*spread.shape[:-1], start), dtype=spread.dtype, device=device))
+            if after:
+                parts.append(xp.zeros((*spread.shape[:-1], after), dtype=spread.dtype, device=device))
+            d_padded = d_padded + (xp.concat(parts, axis=-1) if len(parts) > 1 else spread)
+        grads = {"x": d_padded[..., pad:] if pad else d_padded, "weight": xp.stack(d_taps, axis=-1)}
+        if bias is not None:
+            grads["bias"] = xp.sum(cotangent, axis=(*leading, cotangent.ndim - 1))
+        return grads
+
+    return output, backward

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from attnx import _checks, _dispatch, _tiling
+from attnx import _checks, _cotangents, _dispatch, _tiling
 from attnx._typing import Array
 from attnx.attention import (
     _SDPA,
@@ -21,7 +21,9 @@ from attnx.attention import (
     scaled_dot_product_attention,
     sdpa_tile_plan,
 )
+from attnx.convolution import causal_conv1d, causal_conv1d_vjp
 from attnx.kernel_regression import nadaraya_watson, nadaraya_watson_vjp
+from attnx.positional import LearnedPositions, apply_rotary, apply_rotary_vjp, learned_positions_vjp
 
 __all__ = ["vjp"]
 
@@ -36,7 +38,9 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     ----------
     operation : callable
         :func:`attnx.scaled_dot_product_attention`,
-        :func:`attnx.masked_softmax` or :func:`attnx.nadaraya_watson`.
+        :func:`attnx.masked_softmax`, :func:`attnx.nadaraya_watson`,
+        :func:`attnx.causal_conv1d`, :func:`attnx.apply_rotary` or an
+        :class:`attnx.LearnedPositions` (its lookup).
     *args, **kwargs
         Its arguments, as the operation takes them.
 
@@ -50,8 +54,11 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
         parameter name: ``query``, ``key``, ``value`` and, where it was an
         array or a NumPy scalar, ``scale``; ``scores`` (and a real ``mask``) for
         ``masked_softmax``; ``queries``, ``keys``, ``values`` and (an array's
-        or a NumPy scalar's) ``bandwidth`` for ``nadaraya_watson``.  Each has
-        its argument's shape (broadcast axes summed) and dtype.
+        or a NumPy scalar's) ``bandwidth`` for ``nadaraya_watson``; ``x``,
+        ``weight`` and ``bias`` for ``causal_conv1d``; ``x`` and real
+        ``positions`` for ``apply_rotary``; ``table`` for a
+        ``LearnedPositions``.  Each has its argument's shape (broadcast axes
+        summed) and dtype.
 
     Raises
     ------
@@ -99,11 +106,17 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
         return _softmax_vjp(*args, **kwargs)
     if operation is nadaraya_watson:
         return nadaraya_watson_vjp(*args, **kwargs)
+    if operation is causal_conv1d:
+        return causal_conv1d_vjp(*args, **kwargs)
+    if operation is apply_rotary:
+        return apply_rotary_vjp(*args, **kwargs)
+    if isinstance(operation, LearnedPositions):
+        return learned_positions_vjp(operation, *args, **kwargs)
     name = getattr(operation, "__qualname__", repr(operation))
     raise TypeError(
         f"{_VJP}: can't differentiate {name} yet; it differentiates attnx.scaled_dot_product_attention, "
-        "attnx.masked_softmax and attnx.nadaraya_watson (on PyTorch and JAX, their own autograd differentiates "
-        "every operation)"
+        "attnx.masked_softmax, attnx.nadaraya_watson, attnx.causal_conv1d, attnx.apply_rotary and a "
+        "LearnedPositions (on PyTorch and JAX, their own autograd differentiates every operation)"
     )
 
 
@@ -165,7 +178,7 @@ def _attention_vjp(
     )
 
     def backward(cotangent: Any) -> dict[str, Any]:
-        _checks.require_cotangent(operation, cotangent, output)
+        _cotangents.require(operation, cotangent, output)
         d_query, d_key, d_value, d_scale = _tiling.backward_tiles(
             xp,
             query,
@@ -184,14 +197,14 @@ def _attention_vjp(
             block_bytes=block_bytes,
         )
         grads = {
-            "query": _like(xp, d_query, query),
-            "key": _like(xp, d_key, key),
-            "value": _like(xp, d_value, value),
+            "query": _cotangents.like(xp, d_query, query),
+            "key": _cotangents.like(xp, d_key, key),
+            "value": _cotangents.like(xp, d_value, value),
         }
         # A 0-d array, or NumPy's scalar (what arithmetic on a 0-d array gives
         # back): a training loop's updated scale keeps its gradient.
         if scale is not None and type(scale) not in (int, float):
-            grads["scale"] = _like(xp, d_scale, scale) if chosen.owns(scale) else d_scale
+            grads["scale"] = _cotangents.like(xp, d_scale, scale) if chosen.owns(scale) else d_scale
         return grads
 
     return output, backward
@@ -207,27 +220,12 @@ def _softmax_vjp(
     real_mask = mask is not None and _checks.is_float_dtype(xp, mask.dtype)
 
     def backward(cotangent: Any) -> dict[str, Any]:
-        _checks.require_cotangent(operation, cotangent, weights)
+        _cotangents.require(operation, cotangent, weights)
         compute, (w, g) = _checks.in_accumulation_dtype(xp, weights, cotangent)
         d_scores = w * (g - xp.sum(g * w, axis=axis, keepdims=True))  # 0 where masked: w is 0 there
-        grads = {"scores": _like(xp, d_scores, scores)}
+        grads = {"scores": _cotangents.like(xp, d_scores, scores)}
         if real_mask:  # added to the scores: the same gradient, summed over its broadcast axes
-            grads["mask"] = _like(xp, d_scores, mask)
+            grads["mask"] = _cotangents.like(xp, d_scores, mask)
         return grads
 
     return weights, backward
-
-
-def _like(xp: Any, gradient: Any, argument: Any) -> Any:
-    """``gradient`` summed over the axes ``argument`` was broadcast along,
-    in ``argument``'s dtype: a cotangent has its argument's shape."""
-    shape = tuple(argument.shape)
-    extra = gradient.ndim - len(shape)
-    if extra > 0:
-        gradient = xp.sum(gradient, axis=tuple(range(extra)))
-    ones = tuple(axis for axis, size in enumerate(shape) if size == 1 and gradient.shape[axis] != 1)
-    if ones:
-        gradient = xp.sum(gradient, axis=ones, keepdims=True)
-    if tuple(gradient.shape) != shape:
-        gradient = xp.broadcast_to(gradient, shape)
-    return gradient if gradient.dtype == argument.dtype else xp.astype(gradient, argument.dtype)

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from attnx import _checks, _dispatch, _masking, _tiling, blocks
+from attnx import _checks, _cotangents, _dispatch, _masking, _tiling, blocks
 from attnx._typing import Array
 
 __all__ = ["KERNELS", "combine_states_along", "finish_state", "kernel_state", "nadaraya_watson", "nadaraya_watson_vjp"]
@@ -487,7 +487,7 @@ def nadaraya_watson_vjp(
     block_bytes = _tiling.chunk_bytes(chosen, queries)
 
     def backward(cotangent: Any) -> dict[str, Any]:
-        _checks.require_cotangent(operation, cotangent, estimate)
+        _cotangents.require(operation, cotangent, estimate)
         dtype = queries.dtype
         q, k, v, b = _in_state_dtype(xp, queries, keys, values, bandwidth if learned else float(bandwidth))
         compute = q.dtype

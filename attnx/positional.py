@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
-from attnx import _checks, _dispatch, _params
+from attnx import _checks, _cotangents, _dispatch, _params
 from attnx._typing import Array, Device, DType
 
-__all__ = ["LearnedPositions", "apply_rotary", "sinusoidal_positions"]
+__all__ = ["LearnedPositions", "apply_rotary", "apply_rotary_vjp", "learned_positions_vjp", "sinusoidal_positions"]
 
 
 def _frequencies(xp: Any, half: int, dim: int, base: float, dtype: Any, device: Any) -> Any:
@@ -338,3 +339,64 @@ class LearnedPositions:
             raise ValueError(f"{op}: positions must lie in [0, {count}), got values from {low} to {high}")
         flat = xp.take(table, xp.reshape(positions, (-1,)), axis=0)
         return xp.reshape(flat, (*positions.shape, table.shape[1]))
+
+
+def apply_rotary_vjp(
+    x: Any, positions: Any = None, *, base: float = 10000.0, interleaved: bool = True, backend: str | None = None
+) -> tuple[Any, Callable[[Any], dict[str, Any]]]:
+    """:func:`attnx.vjp` of :func:`apply_rotary`: the rotated ``x``, and its
+    backward.  A rotation's transpose turns back: ``dx`` is the cotangent
+    rotated by the negated positions.  Real ``positions`` get theirs too:
+    each pair ``(a', b')`` of the output turns by ``d(angle) = g_b a' - g_a
+    b'``, times its frequency, summed over the pairs."""
+    operation = "vjp(apply_rotary)"
+    rotated = apply_rotary(x, positions, base=base, interleaved=interleaved, backend=backend)
+    chosen, _ = _dispatch.resolve(operation, backend, ("x", "positions"), (x, positions), 1)
+    xp = chosen.xp
+    real_positions = positions is not None and _checks.dtype_kind(xp, positions) == "float"
+
+    def backward(cotangent: Any) -> dict[str, Any]:
+        _cotangents.require(operation, cotangent, rotated)
+        n, d = x.shape[-2:]
+        device = _checks.device_of(x)
+        exact = _checks.widest_float(xp, device)  # negated exactly, whatever the positions' integer type
+        back = -(xp.arange(n, dtype=exact, device=device) if positions is None else xp.astype(positions, exact))
+        grads = {"x": apply_rotary(cotangent, back, base=base, interleaved=interleaved, backend=backend)}
+        if real_positions and d:
+            compute = _checks.accumulation_dtype(xp, x.dtype)
+            out, g = (a if a.dtype == compute else xp.astype(a, compute) for a in (rotated, cotangent))
+            if interleaved:  # the pairs (2j, 2j + 1), or (j, j + d / 2)
+                out_a, out_b, g_a, g_b = out[..., 0::2], out[..., 1::2], g[..., 0::2], g[..., 1::2]
+            else:
+                half = d // 2
+                out_a, out_b, g_a, g_b = out[..., :half], out[..., half:], g[..., :half], g[..., half:]
+            turns = g_b * out_a - g_a * out_b  # (..., n, d / 2)
+            frequencies = _frequencies(xp, d // 2, d, base, compute, _checks.device_of(x))
+            d_positions = xp.sum(turns * frequencies, axis=-1)
+            grads["positions"] = _cotangents.like(xp, d_positions, positions)
+        return grads
+
+    return rotated, backward
+
+
+def learned_positions_vjp(embedding: LearnedPositions, positions: Any) -> tuple[Any, Callable[[Any], dict[str, Any]]]:
+    """:func:`attnx.vjp` of a :class:`LearnedPositions`' lookup: the rows,
+    and a backward that gives the table's cotangent under ``"table"``: each
+    row's cotangents summed into the row it was read from (a one-hot
+    product, since the array API has no scatter-add)."""
+    operation = "vjp(LearnedPositions)"
+    rows = embedding(positions)
+    table = embedding.table
+    xp = _dispatch.resolve(operation, None, ("table",), (table,))[0].xp
+
+    def backward(cotangent: Any) -> dict[str, Any]:
+        _cotangents.require(operation, cotangent, rows)
+        count, dim = table.shape
+        if isinstance(positions, int):  # the first rows, in order
+            rest = xp.zeros((count - positions, dim), dtype=table.dtype, device=_checks.device_of(table))
+            return {"table": xp.concat([cotangent, rest], axis=0) if count > positions else cotangent}
+        flat = xp.reshape(positions, (-1,))
+        one_hot = xp.astype(flat[:, None] == xp.arange(count, device=_checks.device_of(table))[None, :], table.dtype)
+        return {"table": xp.matrix_transpose(one_hot) @ xp.reshape(cotangent, (-1, dim))}
+
+    return rows, backward

@@ -337,3 +337,63 @@ def nadaraya_watson_vjp(queries, keys, values, cotangent, kernel="gaussian", ban
         "bandwidth": float((d_t * (-2 * t / bandwidth)).sum()),
     }
     return grads
+
+
+def causal_conv1d_vjp(x, weight, cotangent, bias=None, stride=1, dilation=1):
+    """The cotangents of ``x``, ``weight`` (and ``bias``) of
+    :func:`causal_conv1d`, by the chain rule on its sum: each output ``t``
+    and tap ``i`` reading ``x[..., :, source]`` sends ``g[..., :, t] @
+    w[:, :, i]`` back to that source and ``g[..., :, t] x[..., :, source]``
+    to ``w[:, :, i]``."""
+    x, weight, g = (np.asarray(a, np.float64) for a in (x, weight, cotangent))
+    kernel_size = weight.shape[-1]
+    d_x, d_weight = np.zeros_like(x), np.zeros_like(weight)
+    for t in range(g.shape[-1]):
+        for i in range(kernel_size):
+            source = t * stride - (kernel_size - 1 - i) * dilation
+            if source >= 0:
+                d_x[..., :, source] += g[..., :, t] @ weight[:, :, i]
+                rows_g, rows_x = g[..., :, t].reshape(-1, g.shape[-2]), x[..., :, source].reshape(-1, x.shape[-2])
+                d_weight[:, :, i] += rows_g.T @ rows_x  # summed over the leading axes
+    grads = {"x": d_x, "weight": d_weight}
+    if bias is not None:
+        grads["bias"] = g.sum(axis=(*range(g.ndim - 2), g.ndim - 1))
+    return grads
+
+
+def apply_rotary_vjp(x, cotangent, positions=None, base=10000.0, interleaved=True):
+    """The cotangents of ``x`` and (real) ``positions`` of RoPE, a pair at a
+    time from the inputs: ``(a, b)`` turned by ``theta`` gives back ``da = g_a
+    cos + g_b sin``, ``db = -g_a sin + g_b cos``, and ``dtheta = g_a (-a sin
+    - b cos) + g_b (a cos - b sin)``, times the pair's frequency for its
+    position."""
+    x, g = np.asarray(x, np.float64), np.asarray(cotangent, np.float64)
+    n, d = x.shape[-2:]
+    p = np.arange(n, dtype=np.float64) if positions is None else np.asarray(positions, np.float64)
+    p_full = np.broadcast_to(p, (*x.shape[:-2], n))
+    half = d // 2
+    pairs = [(2 * j, 2 * j + 1) if interleaved else (j, j + half) for j in range(half)]
+    d_x, d_p = np.zeros_like(x), np.zeros(p_full.shape)
+    for j, (first, second) in enumerate(pairs):
+        frequency = base ** (-2 * j / d)
+        theta = p_full * frequency
+        cos, sin = np.cos(theta), np.sin(theta)
+        a, b, g_a, g_b = x[..., first], x[..., second], g[..., first], g[..., second]
+        d_x[..., first] = g_a * cos + g_b * sin
+        d_x[..., second] = -g_a * sin + g_b * cos
+        d_p += (g_a * (-a * sin - b * cos) + g_b * (a * cos - b * sin)) * frequency
+    # Summed over the axes the positions were broadcast along.
+    extra = d_p.ndim - p.ndim
+    d_p = d_p.sum(axis=tuple(range(extra)))
+    d_p = d_p.sum(axis=tuple(axis for axis, size in enumerate(p.shape) if size == 1), keepdims=True)
+    return {"x": d_x, "positions": d_p.reshape(p.shape)}
+
+
+def learned_positions_vjp(count, positions, cotangent):
+    """The table's cotangent of a lookup: each looked-up row's cotangent
+    added to the row it came from."""
+    g = np.asarray(cotangent, np.float64)
+    d_table = np.zeros((count, g.shape[-1]))
+    rows = np.arange(positions) if isinstance(positions, int) else np.asarray(positions).reshape(-1)
+    np.add.at(d_table, rows, g.reshape(-1, g.shape[-1]))
+    return d_table

@@ -121,3 +121,65 @@ def test_nadaraya_watson_gradients_equal_the_chain_rule(
     for argument in ("queries", "keys", "values"):
         assert_close(grads[argument], expected[argument], be, dtype, like=arrays[argument], scale=4.0)
     assert_close(grads["bandwidth"], np.asarray(expected["bandwidth"]), be, dtype, scale=16.0)
+
+
+CONV_CASES = [
+    # (name, x shape, kernel size, stride, dilation, bias)
+    ("taps past the input, a bias", (2, 3, 4, 6), 3, 1, 3, True),
+    ("stride and dilation", (3, 2, 11), 3, 2, 2, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "x_shape", "kernel_size", "stride", "dilation", "bias"), CONV_CASES, ids=[c[0] for c in CONV_CASES]
+)
+def test_causal_conv1d_gradients_equal_the_chain_rule(
+    attnx_backend, name, x_shape, kernel_size, stride, dilation, bias
+):
+    be = attnx_backend
+    dtype = be.dtype("float64")
+    gen = rng(61, kernel_size)
+    data = {"x": gen.standard_normal(x_shape), "weight": gen.standard_normal((5, x_shape[-2], kernel_size))}
+    if bias:
+        data["bias"] = gen.standard_normal(5)
+    data = {k: rounded(v, be, dtype) for k, v in data.items()}
+    arrays = {k: be.array(v, dtype) for k, v in data.items()}
+    output, backward = attnx.vjp(attnx.causal_conv1d, **arrays, stride=stride, dilation=dilation)
+    cotangent = rounded(gen.standard_normal(tuple(output.shape)), be, dtype)
+    grads = backward(be.array(cotangent, dtype))
+    expected = reference.causal_conv1d_vjp(**data, cotangent=cotangent, stride=stride, dilation=dilation)
+    assert sorted(grads) == sorted(expected)
+    for argument in expected:
+        assert_close(grads[argument], expected[argument], be, dtype, like=arrays[argument], scale=4.0)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["pairs side by side", "halves"])
+def test_apply_rotary_gradients_equal_the_chain_rule(attnx_backend, interleaved):
+    """Real positions, one row per batch entry broadcast over the heads, get theirs too."""
+    be = attnx_backend
+    dtype = be.dtype("float64")
+    gen = rng(62, interleaved)
+    x, cotangent = (rounded(gen.standard_normal((2, 3, 5, 6)), be, dtype) for _ in range(2))
+    positions = rounded(gen.standard_normal((2, 1, 5)) * 4, be, dtype)
+    rotated, backward = attnx.vjp(
+        attnx.apply_rotary, be.array(x, dtype), be.array(positions, dtype), interleaved=interleaved
+    )
+    grads = backward(be.array(cotangent, dtype))
+    expected = reference.apply_rotary_vjp(x, cotangent, positions, interleaved=interleaved)
+    assert sorted(grads) == ["positions", "x"]
+    assert_close(grads["x"], expected["x"], be, dtype, scale=4.0)
+    assert_close(grads["positions"], expected["positions"], be, dtype, scale=16.0)
+
+
+@pytest.mark.parametrize("positions", [4, np.array([[1, 3], [3, 0]])], ids=["the first rows", "rows read twice"])
+def test_learned_positions_gradients_sum_into_the_rows_read(attnx_backend, positions):
+    be = attnx_backend
+    dtype = be.dtype("float64")
+    embedding = attnx.LearnedPositions(6, 3, dtype=dtype, backend=be.name, device=be.device)
+    looked_up = positions if isinstance(positions, int) else be.array(positions)
+    rows, backward = attnx.vjp(embedding, looked_up)
+    cotangent = rounded(rng(63).standard_normal(tuple(rows.shape)), be, dtype)
+    grads = backward(be.array(cotangent, dtype))
+    assert sorted(grads) == ["table"]
+    expected = reference.learned_positions_vjp(6, positions, cotangent)
+    assert_close(grads["table"], expected, be, dtype, like=embedding.table)

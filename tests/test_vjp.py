@@ -215,3 +215,87 @@ def test_what_the_nadaraya_watson_vjp_cannot_do_is_refused_by_name(options, erro
     x = np.linspace(0, 1, 5)
     with pytest.raises(error, match=words):
         attnx.vjp(attnx.nadaraya_watson, x, x, x, **options)
+
+
+@pytest.mark.parametrize(
+    ("kernel_size", "stride", "dilation", "length", "bias"),
+    [
+        (3, 1, 1, 10, True),
+        (3, 2, 2, 11, False),
+        (2, 3, 4, 13, True),
+        (4, 1, 8, 5, True),
+        (1, 2, 1, 7, False),
+        (3, 1, 1, 1, True),
+        (3, 4, 1, 12, True),
+    ],
+)
+def test_causal_conv1d_gradients_equal_pytorch_s_conv1d(kernel_size, stride, dilation, length, bias):
+    """Against ``torch.nn.functional.conv1d`` on the left-padded input, through PyTorch's autograd."""
+    gen = np.random.default_rng(kernel_size * 100 + length)
+    x, weight = gen.standard_normal((2, 3, 4, length)), gen.standard_normal((5, 4, kernel_size))
+    b = gen.standard_normal(5) if bias else None
+    out, backward = attnx.vjp(attnx.causal_conv1d, x, weight, b, stride=stride, dilation=dilation)
+    cotangent = gen.standard_normal(out.shape)
+    grads = backward(cotangent)
+    leaves = [torch.tensor(a, requires_grad=True) for a in (x, weight) + ((b,) if bias else ())]
+    padded = torch.nn.functional.pad(leaves[0].reshape(-1, 4, length), ((kernel_size - 1) * dilation, 0))
+    expected = torch.nn.functional.conv1d(
+        padded, leaves[1], leaves[2] if bias else None, stride=stride, dilation=dilation
+    ).reshape(out.shape)
+    np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+    names = ["x", "weight"] + (["bias"] if bias else [])
+    assert sorted(grads) == sorted(names)
+    for name, want in zip(names, torch.autograd.grad(expected, leaves, torch.tensor(cotangent))):
+        np.testing.assert_allclose(grads[name], want.numpy(), rtol=1e-11, atol=1e-12, err_msg=name)
+
+
+def _torch_rotary(x, positions, interleaved):
+    """RoPE in PyTorch, from its rotation: pairs side by side, or halves (GPT-NeoX's)."""
+    d = x.shape[-1]
+    angles = positions[..., None] * 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    if interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack([a * cos - b * sin, b * cos + a * sin], -1).reshape(x.shape)
+    a, b = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("positions", ["default", "integers", "real, per batch entry"])
+def test_apply_rotary_gradients_equal_pytorch_s_autograd(interleaved, positions):
+    gen = np.random.default_rng(7)
+    x = gen.standard_normal((2, 3, 5, 8))
+    given = {
+        "default": None,
+        "integers": np.array([3, 1, 4, 1, 5]),
+        "real, per batch entry": gen.standard_normal((2, 1, 5)) * 3,
+    }[positions]
+    out, backward = attnx.vjp(attnx.apply_rotary, x, given, interleaved=interleaved)
+    cotangent = gen.standard_normal(out.shape)
+    grads = backward(cotangent)
+    leaves = [torch.tensor(x, requires_grad=True)]
+    if given is None:
+        torch_positions = torch.arange(5, dtype=torch.float64)
+    else:
+        torch_positions = torch.tensor(given, dtype=torch.float64, requires_grad=given.dtype.kind == "f")
+        if given.dtype.kind == "f":
+            leaves.append(torch_positions)
+    expected = _torch_rotary(leaves[0], torch_positions, interleaved)
+    np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+    names = ["x", "positions"][: len(leaves)]
+    assert sorted(grads) == sorted(names)
+    for name, want in zip(names, torch.autograd.grad(expected, leaves, torch.tensor(cotangent))):
+        np.testing.assert_allclose(grads[name], want.numpy(), rtol=1e-11, atol=1e-12, err_msg=name)
+
+
+def test_learned_positions_gradients_equal_pytorch_s_embedding():
+    embedding = attnx.LearnedPositions(10, 4, dtype="float64")
+    positions = np.array([[1, 3, 3], [9, 0, 1]])
+    rows, backward = attnx.vjp(embedding, positions)
+    cotangent = np.random.default_rng(3).standard_normal(rows.shape)
+    table = torch.tensor(embedding.table, requires_grad=True)
+    expected = torch.nn.functional.embedding(torch.tensor(positions), table)
+    np.testing.assert_array_equal(rows, expected.detach().numpy())
+    (want,) = torch.autograd.grad(expected, [table], torch.tensor(cotangent))
+    np.testing.assert_allclose(backward(cotangent)["table"], want.numpy(), rtol=1e-12, atol=1e-12)
