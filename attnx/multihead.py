@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from attnx import _checks, _dispatch, _masking, _params
+from attnx import _checks, _cotangents, _dispatch, _masking, _params
+from attnx._attention_vjp import scaled_dot_product_attention_vjp
 from attnx._typing import Array, Device, DType
 from attnx.attention import scaled_dot_product_attention
 
@@ -239,9 +240,8 @@ def _split_heads(xp: Any, x: Any, heads: int) -> Any:
     return xp.permute_dims(x, (*axes, len(lead) + 1, len(lead) + 2, len(lead), len(lead) + 3))
 
 
-def _multi_head_generic(
+def heads_in(
     xp: Any,
-    *,
     query: Any,
     key: Any,
     value: Any,
@@ -251,12 +251,15 @@ def _multi_head_generic(
     mask_per_head: bool,
     key_lengths: Any,
     is_causal: bool,
-    return_weights: bool,
-    average_weights: bool,
-    add_zero_attn: bool = False,
-    chunk_size: Any = None,
-) -> Any:
-    h, h_kv, d_v = layout["h"], layout["h_kv"], layout["d_v"]
+    add_zero_attn: bool,
+) -> tuple[Any, Any, Any, Any, bool, int]:
+    """The attention each head computes: ``(q, k, v, mask, is_causal,
+    extra)``, the projected heads ``(..., h_kv, groups, n, d_k)`` and
+    ``(..., h_kv, 1, m + extra, d)``, the masks as one for the heads (the
+    causal rule in it where keys were appended), and the ``extra`` keys
+    appended (``bias_k``, ``add_zero_attn``).  The forward and its backward
+    (:func:`multi_head_attention_vjp`) both start here."""
+    h, h_kv = layout["h"], layout["h_kv"]
     groups = h // h_kv
     n, m = query.shape[-2], key.shape[-2]
     k, v = _project(key, params, "w_k", "b_k"), _project(value, params, "w_v", "b_v")
@@ -297,6 +300,31 @@ def _multi_head_generic(
             )
         else:
             mask = mask[..., None, None, :, :]
+    return q, k, v, mask, is_causal, extra
+
+
+def _multi_head_generic(
+    xp: Any,
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    params: Mapping[str, Any],
+    layout: dict[str, int],
+    mask: Any,
+    mask_per_head: bool,
+    key_lengths: Any,
+    is_causal: bool,
+    return_weights: bool,
+    average_weights: bool,
+    add_zero_attn: bool = False,
+    chunk_size: Any = None,
+) -> Any:
+    h, d_v = layout["h"], layout["d_v"]
+    n, m = query.shape[-2], key.shape[-2]
+    q, k, v, mask, is_causal, extra = heads_in(
+        xp, query, key, value, params, layout, mask, mask_per_head, key_lengths, is_causal, add_zero_attn
+    )
     result = scaled_dot_product_attention(
         q, k, v, mask=mask, is_causal=is_causal, return_weights=return_weights, chunk_size=chunk_size
     )
@@ -541,3 +569,112 @@ def _swap_sequence_and_batch(x: Any) -> Any:
     axes = list(range(x.ndim))
     axes[-3], axes[-2] = axes[-2], axes[-3]
     return chosen.xp.permute_dims(x, tuple(axes))
+
+
+def _merge_heads(xp: Any, x: Any) -> Any:
+    """(..., heads, 1, n, d) -> (..., n, heads*d): :func:`_split_heads` undone."""
+    *lead, heads, _, n, width = x.shape
+    axes = tuple(range(len(lead)))
+    x = xp.permute_dims(x[..., 0, :, :], (*axes, len(lead) + 1, len(lead), len(lead) + 2))
+    return xp.reshape(x, (*lead, n, heads * width))
+
+
+def _leading_sum(xp: Any, gradient: Any, keep: int) -> Any:
+    """``gradient`` summed over all but its last ``keep`` axes."""
+    axes = tuple(range(gradient.ndim - keep))
+    return xp.sum(gradient, axis=axes) if axes else gradient
+
+
+def multi_head_attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    params: Mapping[str, Any],
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    mask: Any = None,
+    key_lengths: Any = None,
+    is_causal: bool = False,
+    return_weights: bool = False,
+    average_weights: bool = True,
+    add_zero_attn: bool = False,
+    chunk_size: Any = None,
+    backend: str | None = None,
+) -> tuple[Any, Callable[[Any], dict[str, Any]]]:
+    """:func:`attnx.vjp` of :func:`multi_head_attention`: the output, and a
+    backward giving ``query``, ``key``, ``value`` and ``params`` (a dict by
+    the params' names).  The heads' attention is
+    :func:`~attnx._attention_vjp.scaled_dot_product_attention_vjp`'s, tiled;
+    around it each projection's transpose, the heads split and merged back,
+    and the appended keys' rows taken off into ``bias_k``/``bias_v``."""
+    operation = f"vjp({_MHA})"
+    _checks.require_flag(operation, "return_weights", return_weights)
+    if return_weights:
+        raise ValueError(f"{operation}: return_weights=True has two outputs; differentiate the output alone")
+    output = multi_head_attention(
+        query,
+        key,
+        value,
+        params,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        mask=mask,
+        key_lengths=key_lengths,
+        is_causal=is_causal,
+        add_zero_attn=add_zero_attn,
+        chunk_size=chunk_size,
+        backend=backend,
+    )
+    xp = _dispatch.resolve(operation, backend, ("query", "key", "value"), (query, key, value), 3)[0].xp
+    if mask is not None and _checks.is_float_dtype(xp, mask.dtype):
+        raise TypeError(
+            f"{operation}: the gradient of a real (additive) mask is not implemented yet; give a boolean mask "
+            f"(True attends), got dtype {_checks.dtype_label(mask.dtype)}"
+        )
+    layout = check_multi_head(xp, query, key, value, params, num_heads, num_kv_heads)
+    per_head = mask is not None and mask.ndim == len(_checks.leading_shape(query, key, value)) + 3
+    q, k, v, heads_mask, heads_causal, extra = heads_in(
+        xp, query, key, value, params, layout, mask, per_head, key_lengths, is_causal, add_zero_attn
+    )
+    heads, heads_backward = scaled_dot_product_attention_vjp(
+        q, k, v, mask=heads_mask, is_causal=heads_causal, chunk_size=chunk_size, backend=backend
+    )
+    h, d_v, n = layout["h"], layout["d_v"], query.shape[-2]
+    lead = heads.shape[:-4]
+    concat = _merge_heads(xp, xp.reshape(heads, (*lead, h, 1, n, d_v)))
+
+    def backward(cotangent: Any) -> dict[str, Any]:
+        _cotangents.require(operation, cotangent, output)
+        grads: dict[str, Any] = {}
+        d_concat = cotangent
+        if params.get("w_o") is not None:
+            grads["w_o"] = _leading_sum(xp, xp.matrix_transpose(concat) @ cotangent, 2)
+            if params.get("b_o") is not None:
+                grads["b_o"] = _leading_sum(xp, cotangent, 1)
+            d_concat = cotangent @ xp.matrix_transpose(params["w_o"])
+        d_heads = _split_heads(xp, d_concat, h)  # (..., h, 1, n, d_v)
+        d_heads = xp.reshape(d_heads, heads.shape)  # (..., h_kv, groups, n, d_v)
+        d_q, d_k, d_v_heads = (heads_backward(d_heads)[name] for name in ("query", "key", "value"))
+        d_q, d_k, d_v_heads = (
+            _merge_heads(xp, a) for a in (xp.reshape(d_q, (*d_q.shape[:-4], h, 1, n, d_q.shape[-1])), d_k, d_v_heads)
+        )
+        if add_zero_attn:  # the zeros' key and value: no parameter behind them
+            d_k, d_v_heads = d_k[..., :-1, :], d_v_heads[..., :-1, :]
+        if params.get("bias_k") is not None:  # the appended key and value, one row each
+            grads["bias_k"] = _leading_sum(xp, d_k[..., -1, :], 1)
+            grads["bias_v"] = _leading_sum(xp, d_v_heads[..., -1, :], 1)
+            d_k, d_v_heads = d_k[..., :-1, :], d_v_heads[..., :-1, :]
+        inputs = {}
+        for name, x, d_projected, weight, bias in (
+            ("query", query, d_q, "w_q", "b_q"),
+            ("key", key, d_k, "w_k", "b_k"),
+            ("value", value, d_v_heads, "w_v", "b_v"),
+        ):
+            grads[weight] = _leading_sum(xp, xp.matrix_transpose(x) @ d_projected, 2)
+            if params.get(bias) is not None:
+                grads[bias] = _leading_sum(xp, d_projected, 1)
+            inputs[name] = _cotangents.like(xp, d_projected @ xp.matrix_transpose(params[weight]), x)
+        return {**inputs, "params": {name: grads[name] for name in params if params.get(name) is not None}}
+
+    return output, backward

@@ -10,7 +10,7 @@ import pytest
 
 import attnx
 from attnx_conformance import reference
-from attnx_conformance.helpers import assert_close, rng, rounded
+from attnx_conformance.helpers import assert_close, rng, rounded, tolerances
 
 pytestmark = pytest.mark.attnx_operation("vjp")
 
@@ -183,3 +183,80 @@ def test_learned_positions_gradients_sum_into_the_rows_read(attnx_backend, posit
     assert sorted(grads) == ["table"]
     expected = reference.learned_positions_vjp(6, positions, cotangent)
     assert_close(grads["table"], expected, be, dtype, like=embedding.table)
+
+
+@pytest.mark.parametrize(
+    ("name", "num_kv_heads", "extras"),
+    [
+        ("grouped heads, causal, padding with an empty row", 1, False),
+        ("bias_k, bias_v and a zero key, per-head mask", 2, True),
+    ],
+)
+def test_multi_head_gradients_equal_finite_differences_of_the_reference(attnx_backend, name, num_kv_heads, extras):
+    """Each argument's gradient, projected on a random direction, against the
+    float64 reference's central difference along it (the reference is
+    linear in no argument, so a wrong gradient shows)."""
+    be = attnx_backend
+    dtype = be.dtype("float64")
+    gen = rng(64, num_kv_heads)
+    d_model, h, n, m = 8, 4, 5, 6
+    d_k = d_model // h
+    data = {
+        "query": gen.standard_normal((2, n, d_model)),
+        "key": gen.standard_normal((2, m, d_model)),
+        "value": gen.standard_normal((2, m, d_model)),
+    }
+    params = {
+        "w_q": gen.standard_normal((d_model, h * d_k)) / 2,
+        "w_k": gen.standard_normal((d_model, num_kv_heads * d_k)) / 2,
+        "w_v": gen.standard_normal((d_model, num_kv_heads * d_k)) / 2,
+        "w_o": gen.standard_normal((h * d_k, d_model)) / 2,
+        "b_q": gen.standard_normal(h * d_k),
+        "b_o": gen.standard_normal(d_model),
+    }
+    if extras:
+        params.update(bias_k=gen.standard_normal(num_kv_heads * d_k), bias_v=gen.standard_normal(num_kv_heads * d_k))
+    data = {k: rounded(v, be, dtype) for k, v in data.items()}
+    params = {k: rounded(v, be, dtype) for k, v in params.items()}
+    if extras:  # per head: each head its own pattern
+        allowed = gen.random((2, h, n, m)) < 0.7
+        options = {"mask": be.array(allowed), "add_zero_attn": True}
+    else:
+        lengths = np.array([m, 0])
+        allowed = reference.allowed_mask(n, m, batch_shape=(2,), key_lengths=lengths, is_causal=True)
+        options = {"key_lengths": be.array(lengths), "is_causal": True}
+    output, backward = attnx.vjp(
+        attnx.multi_head_attention,
+        *(be.array(data[k], dtype) for k in ("query", "key", "value")),
+        {k: be.array(v, dtype) for k, v in params.items()},
+        num_heads=h,
+        num_kv_heads=num_kv_heads,
+        **options,
+    )
+    cotangent = rounded(gen.standard_normal((2, n, d_model)), be, dtype)
+    grads = backward(be.array(cotangent, dtype))
+
+    def loss(query, key, value, params):
+        out, _ = reference.multi_head_attention(
+            query, key, value, params, h, num_kv_heads, allowed=allowed, add_zero_attn=extras
+        )
+        return float((out * cotangent).sum())
+
+    arguments = {**data, "params": params}
+    step = 1e-6
+    for argument in ("query", "key", "value", *(f"params.{p}" for p in params)):
+        holder, key_name = (
+            (arguments["params"], argument[7:]) if argument.startswith("params.") else (arguments, argument)
+        )
+        direction = gen.standard_normal(np.shape(holder[key_name]))
+        base = holder[key_name]
+        values = []
+        for sign in (1, -1):
+            holder[key_name] = base + sign * step * direction
+            values.append(loss(arguments["query"], arguments["key"], arguments["value"], arguments["params"]))
+        holder[key_name] = base
+        expected = (values[0] - values[1]) / (2 * step)
+        got = grads["params"][key_name] if argument.startswith("params.") else grads[key_name]
+        projected = float((be.numpy(got).astype(np.float64) * direction).sum())
+        rtol, atol = tolerances(be, "float64", factor=4.0).values()
+        assert projected == pytest.approx(expected, rel=max(rtol, 1e-6), abs=max(atol, 1e-6)), argument

@@ -4,6 +4,7 @@ refusals, its memory, and under jax.jit."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 
 import numpy as np
@@ -299,3 +300,68 @@ def test_learned_positions_gradients_equal_pytorch_s_embedding():
     np.testing.assert_array_equal(rows, expected.detach().numpy())
     (want,) = torch.autograd.grad(expected, [table], torch.tensor(cotangent))
     np.testing.assert_allclose(backward(cotangent)["table"], want.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"bias": False, "is_causal": True},
+        {"add_bias_kv": True, "add_zero_attn": True, "padding": True},
+        {"kdim": 5, "vdim": 7, "padding": True},
+    ],
+    ids=["plain", "no bias, causal", "bias_kv, zero_attn, padding", "kdim and vdim"],
+)
+def test_multi_head_gradients_equal_torch_multihead_attention_s(options):
+    """Against ``torch.nn.MultiheadAttention`` (batch first, float64) under
+    autograd: the inputs' gradients and every parameter's, by attnx's names."""
+    options = dict(options)
+    is_causal, padding = options.pop("is_causal", False), options.pop("padding", False)
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64, **options).eval()
+    if module.bias_k is not None:
+        torch.nn.init.normal_(module.bias_k)
+        torch.nn.init.normal_(module.bias_v)
+    gen = np.random.default_rng(5)
+    q = gen.standard_normal((2, 5, 8))
+    k = gen.standard_normal((2, 6, options.get("kdim", 8)))
+    v = gen.standard_normal((2, 6, options.get("vdim", 8)))
+    lengths = np.array([6, 3]) if padding else None
+    ours = attnx.MultiHeadAttention.from_torch(module)
+    params = {name: p.detach().numpy().copy() for name, p in ours.params.items()}
+    n, m = 5, 6
+    out, backward = attnx.vjp(
+        attnx.multi_head_attention,
+        q,
+        k,
+        v,
+        params,
+        num_heads=2,
+        key_lengths=lengths,
+        is_causal=is_causal,
+        add_zero_attn=module.add_zero_attn,
+    )
+    cotangent = gen.standard_normal(out.shape)
+    grads = backward(cotangent)
+    leaves = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
+    attn_mask = None
+    if is_causal:  # attnx's alignment, n = 5 queries over m = 6 keys: True is ignored, as PyTorch's
+        attn_mask = torch.arange(m)[None, :] > torch.arange(n)[:, None] + (m - n)
+    key_padding_mask = None if lengths is None else torch.arange(m)[None, :] >= torch.tensor(lengths)[:, None]
+    expected, _ = module(*leaves, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False)
+    np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-10, atol=1e-12)
+    parameters = list(module.parameters())
+    want = torch.autograd.grad(expected, leaves + parameters, torch.tensor(cotangent))
+    for name, expected_grad in zip(("query", "key", "value"), want):
+        np.testing.assert_allclose(grads[name], expected_grad.numpy(), rtol=1e-9, atol=1e-11, err_msg=name)
+    # The module's gradients by attnx's names: from_torch of a module holding them (its mapping is linear).
+    holder = copy.deepcopy(module)
+    with torch.no_grad():
+        for parameter, gradient in zip(holder.parameters(), want[3:]):
+            parameter.copy_(gradient)
+    expected_params = attnx.MultiHeadAttention.from_torch(holder).params
+    assert sorted(grads["params"]) == sorted(expected_params)
+    for name, expected_grad in expected_params.items():
+        np.testing.assert_allclose(
+            grads["params"][name], expected_grad.detach().numpy(), rtol=1e-9, atol=1e-11, err_msg=name
+        )

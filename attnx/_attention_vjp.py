@@ -1,0 +1,135 @@
+"""The backwards of attention and of the masked softmax (:func:`attnx.vjp`).
+
+Attention's walks the forward's tiles (:func:`attnx._tiling.backward_tiles`),
+array API only, so it runs where no autograd does (NumPy, CuPy, Dask) and
+keeps the forward's memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from attnx import _checks, _cotangents, _dispatch, _tiling
+from attnx.attention import (
+    _SDPA,
+    _SDPA_ARGS,
+    check_attention_inputs,
+    choose_chunks,
+    masked_softmax,
+    scaled_dot_product_attention,
+    sdpa_tile_plan,
+)
+
+__all__ = ["masked_softmax_vjp", "scaled_dot_product_attention_vjp"]
+
+
+def scaled_dot_product_attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    mask: Any = None,
+    key_lengths: Any = None,
+    is_causal: bool = False,
+    scale: Any = None,
+    return_weights: bool = False,
+    chunk_size: Any = None,
+    backend: str | None = None,
+) -> tuple[Any, Callable[[Any], dict[str, Any]]]:
+    operation = f"vjp({_SDPA})"
+    chosen, _ = _dispatch.resolve(
+        operation, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths, _checks.scale_array(scale)), 3
+    )
+    xp = chosen.xp
+    _checks.require_flag(operation, "return_weights", return_weights)
+    if return_weights:
+        raise ValueError(
+            f"{operation}: return_weights=True has two outputs; differentiate the weights through attnx.masked_softmax"
+        )
+    if mask is not None and _checks.is_float_dtype(xp, mask.dtype):
+        raise TypeError(
+            f"{operation}: the gradient of a real (additive) mask is not implemented yet; give a boolean mask "
+            f"(True attends), got dtype {_checks.dtype_label(mask.dtype)}"
+        )
+    output = scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        mask=mask,
+        key_lengths=key_lengths,
+        is_causal=is_causal,
+        scale=scale,
+        chunk_size=chunk_size,
+        backend=backend,
+    )
+    scale_value, batch_shape, n, m = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
+    block_bytes = chosen.block_bytes_on(_checks.device_of(query))
+    if _checks.traced(query):
+        block_bytes = max(block_bytes, _tiling.TRACED_BLOCK_BYTES)
+    chunks = choose_chunks(
+        xp, query.dtype, n, m, batch_shape, chunk_size, False, is_causal, chosen.concurrent_blocks, block_bytes
+    ) or (max(1, n), max(1, m))
+    tiles, tile_scores = sdpa_tile_plan(
+        xp,
+        query,
+        key,
+        mask=mask,
+        key_lengths=key_lengths,
+        is_causal=is_causal,
+        batch_shape=batch_shape,
+        key_chunk=chunks[1],
+    )
+
+    def backward(cotangent: Any) -> dict[str, Any]:
+        _cotangents.require(operation, cotangent, output)
+        d_query, d_key, d_value, d_scale = _tiling.backward_tiles(
+            xp,
+            query,
+            key,
+            value,
+            output,
+            cotangent,
+            scale=scale_value,
+            batch_shape=batch_shape,
+            query_chunk=chunks[0],
+            key_chunk=chunks[1],
+            tiles=tiles,
+            tile_scores=tile_scores,
+            map_blocks=chosen.map_blocks,
+            concurrent_blocks=chosen.concurrent_blocks,
+            block_bytes=block_bytes,
+        )
+        grads = {
+            "query": _cotangents.like(xp, d_query, query),
+            "key": _cotangents.like(xp, d_key, key),
+            "value": _cotangents.like(xp, d_value, value),
+        }
+        # A 0-d array, or NumPy's scalar (what arithmetic on a 0-d array gives
+        # back): a training loop's updated scale keeps its gradient.
+        if scale is not None and type(scale) not in (int, float):
+            grads["scale"] = _cotangents.like(xp, d_scale, scale) if chosen.owns(scale) else d_scale
+        return grads
+
+    return output, backward
+
+
+def masked_softmax_vjp(
+    scores: Any, *, mask: Any = None, key_lengths: Any = None, axis: int = -1, backend: str | None = None
+) -> tuple[Any, Callable[[Any], dict[str, Any]]]:
+    operation = "vjp(masked_softmax)"
+    weights = masked_softmax(scores, mask=mask, key_lengths=key_lengths, axis=axis, backend=backend)
+    chosen, _ = _dispatch.resolve(operation, backend, ("scores", "mask", "key_lengths"), (scores, mask, key_lengths))
+    xp = chosen.xp
+    real_mask = mask is not None and _checks.is_float_dtype(xp, mask.dtype)
+
+    def backward(cotangent: Any) -> dict[str, Any]:
+        _cotangents.require(operation, cotangent, weights)
+        compute, (w, g) = _checks.in_accumulation_dtype(xp, weights, cotangent)
+        d_scores = w * (g - xp.sum(g * w, axis=axis, keepdims=True))  # 0 where masked: w is 0 there
+        grads = {"scores": _cotangents.like(xp, d_scores, scores)}
+        if real_mask:  # added to the scores: the same gradient, summed over its broadcast axes
+            grads["mask"] = _cotangents.like(xp, d_scores, mask)
+        return grads
+
+    return weights, backward
