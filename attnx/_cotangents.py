@@ -40,3 +40,10 @@ def like(xp: Any, gradient: Any, argument: Any) -> Any:
     if tuple(gradient.shape) != shape:
         gradient = xp.broadcast_to(gradient, shape)
     return gradient if gradient.dtype == argument.dtype else xp.astype(gradient, argument.dtype)
+
+
+def leading_sum(xp: Any, gradient: Any, keep: int) -> Any:
+    """``gradient`` summed over all but its last ``keep`` axes: a
+    parameter's gradient, from every slice of the batch that used it."""
+    axes = tuple(range(gradient.ndim - keep))
+    return xp.sum(gradient, axis=axes) if axes else gradient

@@ -6,10 +6,10 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from attnx import _checks, _dispatch, _masking, _params, _tiling
+from attnx import _checks, _cotangents, _dispatch, _masking, _params, _tiling
 from attnx._typing import Array
 
-__all__ = ["additive_attention", "bahdanau_context"]
+__all__ = ["additive_attention", "additive_attention_vjp", "bahdanau_context", "bahdanau_context_vjp"]
 
 _ADD = "additive_attention"
 
@@ -327,3 +327,133 @@ def bahdanau_context(
     if return_weights:
         return result[0][..., 0, :], result[1][..., 0, :]
     return result[..., 0, :]
+
+
+def additive_attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    params: Mapping[str, Any],
+    *,
+    mask: Any = None,
+    key_lengths: Any = None,
+    return_weights: bool = False,
+    backend: str | None = None,
+) -> tuple[Any, Callable[[Any], dict[str, Any]]]:
+    """:func:`attnx.vjp` of :func:`additive_attention`: the output, and a
+    backward giving ``query``, ``key``, ``value``, ``params`` (by name) and
+    a real ``mask``'s, a chunk of queries at a time as the forward.
+
+    With ``T = tanh(q W_q + k W_k)``, ``s = T w_v`` and ``P`` the masked
+    softmax of ``s``: ``ds = P (g v^T - g . out)``, ``dT = ds w_v (1 - T^2)``,
+    ``dw_v = sum ds T``; ``dT`` summed over the keys is the projected
+    queries', over the queries the projected keys'."""
+    operation = f"vjp({_ADD})"
+    _checks.require_flag(operation, "return_weights", return_weights)
+    if return_weights:
+        raise ValueError(f"{operation}: return_weights=True has two outputs; differentiate the output alone")
+    output = additive_attention(query, key, value, params, mask=mask, key_lengths=key_lengths, backend=backend)
+    chosen = _dispatch.resolve(operation, backend, ("query", "key", "value"), (query, key, value), 3)[0]
+    xp, block_bytes = chosen.xp, _tiling.chunk_bytes(chosen, query)
+    real_mask = mask is not None and _checks.is_float_dtype(xp, mask.dtype)
+
+    def backward(cotangent: Any) -> dict[str, Any]:
+        _cotangents.require(operation, cotangent, output)
+        dtype = query.dtype
+        compute, (q_in, k_in, v_in, g, out) = _checks.in_accumulation_dtype(xp, query, key, value, cotangent, output)
+        weights_of = {
+            name: array if array.dtype == compute else xp.astype(array, compute) for name, array in params.items()
+        }
+        w_q, w_k, w_v = weights_of["w_q"], weights_of["w_k"], weights_of["w_v"]
+        q, k = q_in @ w_q, k_in @ w_k  # (..., n, h), (..., m, h)
+        batch_shape = _checks.leading_shape(q_in, k_in, v_in)
+        n, m, hidden = q.shape[-2], k.shape[-2], q.shape[-1]
+        sizes = [size for size in (*_checks.leading_shape(q, k, k), m, hidden) if _checks.known(size)]
+        step = max(1, _tiling.rows_per_chunk(block_bytes, _tiling.itemsize(xp, compute) * math.prod(sizes)))
+        device = _checks.device_of(query)
+        d_q_rows, d_scores_rows = [], []
+        d_k = d_value = None
+        d_w_v = xp.zeros_like(w_v)
+        for start in range(0, max(n, 1), step):  # a chunk of queries at a time, as the forward
+            rows = (start, min(n, start + step))
+            q_rows, g_rows, out_rows = (a[..., rows[0] : rows[1], :] for a in (q, g, out))
+            turned = xp.tanh(q_rows[..., None, :] + k[..., None, :, :])  # (..., c, m, h)
+            scores = xp.sum(turned * w_v, axis=-1)
+            allowed, additive = _masking.combine(
+                xp,
+                mask=mask,
+                key_lengths=key_lengths,
+                is_causal=False,
+                batch_shape=batch_shape,
+                n=n,
+                m=m,
+                dtype=compute,
+                device=device,
+                rows=rows,
+            )
+            weights = _masking.softmax(xp, scores, allowed, additive)
+            pulls = g_rows @ xp.matrix_transpose(v_in) - xp.sum(g_rows * out_rows, axis=-1, keepdims=True)
+            d_scores = weights * pulls  # 0 where masked: the weight is 0 there
+            if real_mask:
+                d_scores_rows.append(d_scores)
+            d_value_rows = xp.matrix_transpose(weights) @ g_rows
+            d_value = d_value_rows if d_value is None else d_value + d_value_rows
+            d_turned = d_scores[..., None] * (1.0 - turned * turned)  # times w_v below
+            d_w_v = d_w_v + _cotangents.leading_sum(xp, d_scores[..., None] * turned, 1)
+            d_turned = d_turned * w_v
+            d_q_rows.append(xp.sum(d_turned, axis=-2))
+            d_k_rows = xp.sum(d_turned, axis=-3)
+            d_k = d_k_rows if d_k is None else d_k + d_k_rows
+        d_q = xp.concat(d_q_rows, axis=-2) if len(d_q_rows) > 1 else d_q_rows[0]
+        grads = {
+            "query": _cotangents.like(xp, d_q @ xp.matrix_transpose(w_q), query),
+            "key": _cotangents.like(xp, d_k @ xp.matrix_transpose(w_k), key),
+            "value": _cotangents.like(xp, d_value, value),
+            "params": {
+                "w_q": _cotangents.leading_sum(xp, xp.matrix_transpose(q_in) @ d_q, 2),
+                "w_k": _cotangents.leading_sum(xp, xp.matrix_transpose(k_in) @ d_k, 2),
+                "w_v": d_w_v,
+            },
+        }
+        grads["params"] = {
+            name: g_ if g_.dtype == dtype else xp.astype(g_, dtype) for name, g_ in grads["params"].items()
+        }
+        if real_mask:  # added to the scores: their gradient, summed over its broadcast axes
+            d_mask = xp.concat(d_scores_rows, axis=-2) if len(d_scores_rows) > 1 else d_scores_rows[0]
+            grads["mask"] = _cotangents.like(xp, d_mask, mask)
+        return grads
+
+    return output, backward
+
+
+def bahdanau_context_vjp(
+    decoder_state: Any,
+    annotations: Any,
+    params: Mapping[str, Any],
+    *,
+    key_lengths: Any = None,
+    return_weights: bool = False,
+    backend: str | None = None,
+) -> tuple[Any, Callable[[Any], dict[str, Any]]]:
+    """:func:`attnx.vjp` of :func:`bahdanau_context`: additive attention's
+    backward with one query a sequence, the annotations' gradient as keys
+    and as values summed."""
+    operation = "vjp(bahdanau_context)"
+    _checks.require_flag(operation, "return_weights", return_weights)
+    if return_weights:
+        raise ValueError(f"{operation}: return_weights=True has two outputs; differentiate the context alone")
+    context = bahdanau_context(decoder_state, annotations, params, key_lengths=key_lengths, backend=backend)
+    _, attention_backward = additive_attention_vjp(
+        decoder_state[..., None, :], annotations, annotations, params, key_lengths=key_lengths, backend=backend
+    )
+
+    def backward(cotangent: Any) -> dict[str, Any]:
+        _cotangents.require(operation, cotangent, context)
+        grads = attention_backward(cotangent[..., None, :])
+        return {
+            "decoder_state": grads["query"][..., 0, :],
+            "annotations": grads["key"] + grads["value"],
+            "params": grads["params"],
+        }
+
+    return context, backward

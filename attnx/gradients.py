@@ -11,6 +11,7 @@ from typing import Any
 
 from attnx._attention_vjp import masked_softmax_vjp, scaled_dot_product_attention_vjp
 from attnx._typing import Array
+from attnx.additive import additive_attention, additive_attention_vjp, bahdanau_context, bahdanau_context_vjp
 from attnx.attention import masked_softmax, scaled_dot_product_attention
 from attnx.convolution import causal_conv1d, causal_conv1d_vjp
 from attnx.kernel_regression import nadaraya_watson, nadaraya_watson_vjp
@@ -31,6 +32,7 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     operation : callable
         :func:`attnx.scaled_dot_product_attention`,
         :func:`attnx.masked_softmax`, :func:`attnx.multi_head_attention`,
+        :func:`attnx.additive_attention`, :func:`attnx.bahdanau_context`,
         :func:`attnx.nadaraya_watson`, :func:`attnx.causal_conv1d`,
         :func:`attnx.apply_rotary` or an :class:`attnx.LearnedPositions`
         (its lookup).
@@ -47,7 +49,10 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
         parameter name: ``query``, ``key``, ``value`` and, where it was an
         array or a NumPy scalar, ``scale``; ``scores`` (and a real ``mask``) for
         ``masked_softmax``; ``query``, ``key``, ``value`` and ``params`` (a
-        dict by the params' names) for ``multi_head_attention``;
+        dict by the params' names) for ``multi_head_attention`` and
+        ``additive_attention`` (and a real ``mask``'s there);
+        ``decoder_state``, ``annotations`` and ``params`` for
+        ``bahdanau_context``;
         ``queries``, ``keys``, ``values`` and (an array's
         or a NumPy scalar's) ``bandwidth`` for ``nadaraya_watson``; ``x``,
         ``weight`` and ``bias`` for ``causal_conv1d``; ``x`` and real
@@ -101,6 +106,10 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
         return masked_softmax_vjp(*args, **kwargs)
     if operation is nadaraya_watson:
         return nadaraya_watson_vjp(*args, **kwargs)
+    if operation is additive_attention:
+        return additive_attention_vjp(*args, **kwargs)
+    if operation is bahdanau_context:
+        return bahdanau_context_vjp(*args, **kwargs)
     if operation is multi_head_attention:
         return multi_head_attention_vjp(*args, **kwargs)
     if operation is causal_conv1d:
@@ -112,7 +121,8 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     name = getattr(operation, "__qualname__", repr(operation))
     raise TypeError(
         f"{_VJP}: can't differentiate {name} yet; it differentiates attnx.scaled_dot_product_attention, "
-        "attnx.masked_softmax, attnx.multi_head_attention, attnx.nadaraya_watson, attnx.causal_conv1d, "
+        "attnx.masked_softmax, attnx.multi_head_attention, attnx.additive_attention, attnx.bahdanau_context, "
+        "attnx.nadaraya_watson, attnx.causal_conv1d, "
         "attnx.apply_rotary and a "
         "LearnedPositions (on PyTorch and JAX, their own autograd differentiates every operation)"
     )

@@ -579,12 +579,6 @@ def _merge_heads(xp: Any, x: Any) -> Any:
     return xp.reshape(x, (*lead, n, heads * width))
 
 
-def _leading_sum(xp: Any, gradient: Any, keep: int) -> Any:
-    """``gradient`` summed over all but its last ``keep`` axes."""
-    axes = tuple(range(gradient.ndim - keep))
-    return xp.sum(gradient, axis=axes) if axes else gradient
-
-
 def multi_head_attention_vjp(
     query: Any,
     key: Any,
@@ -649,9 +643,9 @@ def multi_head_attention_vjp(
         grads: dict[str, Any] = {}
         d_concat = cotangent
         if params.get("w_o") is not None:
-            grads["w_o"] = _leading_sum(xp, xp.matrix_transpose(concat) @ cotangent, 2)
+            grads["w_o"] = _cotangents.leading_sum(xp, xp.matrix_transpose(concat) @ cotangent, 2)
             if params.get("b_o") is not None:
-                grads["b_o"] = _leading_sum(xp, cotangent, 1)
+                grads["b_o"] = _cotangents.leading_sum(xp, cotangent, 1)
             d_concat = cotangent @ xp.matrix_transpose(params["w_o"])
         d_heads = _split_heads(xp, d_concat, h)  # (..., h, 1, n, d_v)
         d_heads = xp.reshape(d_heads, heads.shape)  # (..., h_kv, groups, n, d_v)
@@ -662,8 +656,8 @@ def multi_head_attention_vjp(
         if add_zero_attn:  # the zeros' key and value: no parameter behind them
             d_k, d_v_heads = d_k[..., :-1, :], d_v_heads[..., :-1, :]
         if params.get("bias_k") is not None:  # the appended key and value, one row each
-            grads["bias_k"] = _leading_sum(xp, d_k[..., -1, :], 1)
-            grads["bias_v"] = _leading_sum(xp, d_v_heads[..., -1, :], 1)
+            grads["bias_k"] = _cotangents.leading_sum(xp, d_k[..., -1, :], 1)
+            grads["bias_v"] = _cotangents.leading_sum(xp, d_v_heads[..., -1, :], 1)
             d_k, d_v_heads = d_k[..., :-1, :], d_v_heads[..., :-1, :]
         inputs = {}
         for name, x, d_projected, weight, bias in (
@@ -671,9 +665,9 @@ def multi_head_attention_vjp(
             ("key", key, d_k, "w_k", "b_k"),
             ("value", value, d_v_heads, "w_v", "b_v"),
         ):
-            grads[weight] = _leading_sum(xp, xp.matrix_transpose(x) @ d_projected, 2)
+            grads[weight] = _cotangents.leading_sum(xp, xp.matrix_transpose(x) @ d_projected, 2)
             if params.get(bias) is not None:
-                grads[bias] = _leading_sum(xp, d_projected, 1)
+                grads[bias] = _cotangents.leading_sum(xp, d_projected, 1)
             inputs[name] = _cotangents.like(xp, d_projected @ xp.matrix_transpose(params[weight]), x)
         return {**inputs, "params": {name: grads[name] for name in params if params.get(name) is not None}}
 

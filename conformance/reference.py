@@ -174,8 +174,9 @@ def multi_head_attention(
     return output, np.stack(weights, axis=-3)
 
 
-def additive_attention(query, key, value, params, allowed=None):
-    """Score by score: a(q_i, k_j) = w_v . tanh(W_q^T q_i + W_k^T k_j)."""
+def additive_attention(query, key, value, params, allowed=None, bias=None):
+    """Score by score: a(q_i, k_j) = w_v . tanh(W_q^T q_i + W_k^T k_j), plus
+    ``bias`` (a real mask's finite entries) where given."""
     w_q, w_k, w_v = (np.asarray(params[n], dtype=np.float64) for n in ("w_q", "w_k", "w_v"))
     query, key, value = (np.asarray(a, np.float64) for a in (query, key, value))
     lead = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
@@ -187,6 +188,8 @@ def additive_attention(query, key, value, params, allowed=None):
     for index in np.ndindex(*lead, n, m):
         *b, i, j = index
         scores[index] = w_v @ np.tanh(query[(*b, i)] @ w_q + key[(*b, j)] @ w_k)
+    if bias is not None:
+        scores = scores + bias
     weights = softmax(scores, allowed)
     return np.einsum("...nm,...md->...nd", weights, value), weights
 

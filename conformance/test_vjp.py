@@ -260,3 +260,117 @@ def test_multi_head_gradients_equal_finite_differences_of_the_reference(attnx_ba
         projected = float((be.numpy(got).astype(np.float64) * direction).sum())
         rtol, atol = tolerances(be, "float64", factor=4.0).values()
         assert projected == pytest.approx(expected, rel=max(rtol, 1e-6), abs=max(atol, 1e-6)), argument
+
+
+def _directional_check(be, gradient_of, loss, arguments, gen):
+    """Each array in ``arguments`` (a dict, with a nested ``"params"``
+    dict): the gradient ``gradient_of(path)`` projected on a random
+    direction against the central difference of the float64 ``loss`` along it."""
+    step = 1e-6
+    rtol, atol = tolerances(be, "float64", factor=4.0).values()
+    paths = [(name,) for name in arguments if name != "params"] + [("params", p) for p in arguments.get("params", {})]
+    for path in paths:
+        holder = arguments if len(path) == 1 else arguments["params"]
+        base = holder[path[-1]]
+        direction = gen.standard_normal(np.shape(base))
+        values = []
+        for sign in (1, -1):
+            holder[path[-1]] = base + sign * step * direction
+            values.append(loss(**arguments))
+        holder[path[-1]] = base
+        expected = (values[0] - values[1]) / (2 * step)
+        projected = float((be.numpy(gradient_of(path)).astype(np.float64) * direction).sum())
+        assert projected == pytest.approx(expected, rel=max(rtol, 1e-6), abs=max(atol, 1e-6)), path
+
+
+def test_additive_gradients_equal_finite_differences_of_the_reference(attnx_backend):
+    """A real mask with ``-inf`` entries (a row attends one key) and padding
+    that leaves a sequence no key: every argument's gradient, the mask's too."""
+    be = attnx_backend
+    dtype = be.dtype("float64")
+    gen = rng(65)
+    arguments = {
+        "query": gen.standard_normal((2, 4, 3)),
+        "key": gen.standard_normal((2, 5, 2)),
+        "value": gen.standard_normal((2, 5, 3)),
+        "mask": np.where(gen.random((4, 5)) < 0.8, gen.standard_normal((4, 5)), -np.inf),
+        "params": {
+            "w_q": gen.standard_normal((3, 6)),
+            "w_k": gen.standard_normal((2, 6)),
+            "w_v": gen.standard_normal(6),
+        },
+    }
+    arguments["mask"][0, :] = [-np.inf, 0.5, -np.inf, -np.inf, -np.inf]
+    arguments = {
+        k: (rounded(v, be, dtype) if k != "params" else {p: rounded(a, be, dtype) for p, a in v.items()})
+        for k, v in arguments.items()
+    }
+    lengths = np.array([5, 0])
+    allowed = reference.allowed_mask(4, 5, batch_shape=(2,), key_lengths=lengths)
+    output, backward = attnx.vjp(
+        attnx.additive_attention,
+        *(be.array(arguments[k], dtype) for k in ("query", "key", "value")),
+        {p: be.array(a, dtype) for p, a in arguments["params"].items()},
+        mask=be.array(arguments["mask"], dtype),
+        key_lengths=be.array(lengths),
+    )
+    cotangent = rounded(gen.standard_normal((2, 4, 3)), be, dtype)
+    grads = backward(be.array(cotangent, dtype))
+    assert sorted(grads) == ["key", "mask", "params", "query", "value"]
+    assert sorted(grads["params"]) == ["w_k", "w_q", "w_v"]
+
+    def loss(query, key, value, mask, params):
+        finite = np.isfinite(mask)
+        out, _ = reference.additive_attention(
+            query, key, value, params, allowed=allowed & finite, bias=np.where(finite, mask, 0.0)
+        )
+        return float((out * cotangent).sum())
+
+    def gradient_of(path):
+        got = grads[path[0]] if len(path) == 1 else grads["params"][path[1]]
+        if path == ("mask",):  # forbidden entries get no gradient: the loss is flat there
+            return be.array(np.where(np.isfinite(arguments["mask"]), be.numpy(got), 0.0), dtype)
+        return got
+
+    _directional_check(be, gradient_of, loss, arguments, gen)
+
+
+def test_bahdanau_gradients_equal_finite_differences_of_the_reference(attnx_backend):
+    be = attnx_backend
+    dtype = be.dtype("float64")
+    gen = rng(66)
+    arguments = {
+        "decoder_state": gen.standard_normal((3, 4)),
+        "annotations": gen.standard_normal((3, 5, 2)),
+        "params": {
+            "w_q": gen.standard_normal((4, 6)),
+            "w_k": gen.standard_normal((2, 6)),
+            "w_v": gen.standard_normal(6),
+        },
+    }
+    arguments = {
+        k: (rounded(v, be, dtype) if k != "params" else {p: rounded(a, be, dtype) for p, a in v.items()})
+        for k, v in arguments.items()
+    }
+    lengths = np.array([5, 1, 3])
+    context, backward = attnx.vjp(
+        attnx.bahdanau_context,
+        be.array(arguments["decoder_state"], dtype),
+        be.array(arguments["annotations"], dtype),
+        {p: be.array(a, dtype) for p, a in arguments["params"].items()},
+        key_lengths=be.array(lengths),
+    )
+    cotangent = rounded(gen.standard_normal((3, 2)), be, dtype)
+    grads = backward(be.array(cotangent, dtype))
+    assert sorted(grads) == ["annotations", "decoder_state", "params"]
+    allowed = reference.allowed_mask(1, 5, batch_shape=(3,), key_lengths=lengths)
+
+    def loss(decoder_state, annotations, params):
+        out, _ = reference.additive_attention(
+            decoder_state[:, None, :], annotations, annotations, params, allowed=allowed
+        )
+        return float((out[:, 0, :] * cotangent).sum())
+
+    _directional_check(
+        be, lambda path: grads[path[0]] if len(path) == 1 else grads["params"][path[1]], loss, arguments, gen
+    )

@@ -365,3 +365,65 @@ def test_multi_head_gradients_equal_torch_multihead_attention_s(options):
         np.testing.assert_allclose(
             grads["params"][name], expected_grad.detach().numpy(), rtol=1e-9, atol=1e-11, err_msg=name
         )
+
+
+def _torch_additive(q, k, v, w_q, w_k, w_v, allowed=None, bias=None):
+    """Additive attention in PyTorch from its formula: ``softmax(tanh(q W_q + k W_k) w_v + bias) v``."""
+    scores = torch.tanh((q @ w_q)[..., :, None, :] + (k @ w_k)[..., None, :, :]) @ w_v
+    if bias is not None:
+        scores = scores + bias
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, -torch.inf)
+    return torch.softmax(scores, -1).nan_to_num(0.0) @ v
+
+
+@pytest.mark.parametrize("budget", [None, 512], ids=["one chunk", "a query a chunk"])
+@pytest.mark.parametrize("case", ["plain", "key lengths with an empty row", "real mask", "boolean mask, broadcast"])
+def test_additive_gradients_equal_pytorch_s_autograd(case, budget):
+    gen = np.random.default_rng(11)
+    q, k, v = gen.standard_normal((2, 5, 4)), gen.standard_normal((2, 7, 3)), gen.standard_normal((2, 7, 6))
+    params = {"w_q": gen.standard_normal((4, 8)), "w_k": gen.standard_normal((3, 8)), "w_v": gen.standard_normal(8)}
+    options, allowed, bias = {}, None, None
+    if case == "key lengths with an empty row":
+        options["key_lengths"] = np.array([7, 0])
+        allowed = torch.arange(7)[None, None, :] < torch.tensor([7, 0])[:, None, None]
+    elif case == "real mask":
+        bias = gen.standard_normal((5, 7))
+        options["mask"] = bias
+    elif case == "boolean mask, broadcast":
+        options["mask"] = gen.random((1, 5, 7)) < 0.6
+        allowed = torch.tensor(options["mask"])
+    with attnx.memory_budget(budget) if budget else contextlib.nullcontext():
+        out, backward = attnx.vjp(attnx.additive_attention, q, k, v, params, **options)
+        cotangent = gen.standard_normal(out.shape)
+        grads = backward(cotangent)
+    leaves = [torch.tensor(a, requires_grad=True) for a in (q, k, v, params["w_q"], params["w_k"], params["w_v"])]
+    if bias is not None:
+        leaves.append(torch.tensor(bias, requires_grad=True))
+    expected = _torch_additive(*leaves[:6], allowed=allowed, bias=leaves[6] if bias is not None else None)
+    np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+    got = [grads["query"], grads["key"], grads["value"], *(grads["params"][p] for p in ("w_q", "w_k", "w_v"))]
+    assert sorted(grads) == sorted(["query", "key", "value", "params"] + (["mask"] if bias is not None else []))
+    if bias is not None:
+        got.append(grads["mask"])
+    for index, (ours, want) in enumerate(zip(got, torch.autograd.grad(expected, leaves, torch.tensor(cotangent)))):
+        np.testing.assert_allclose(ours, want.numpy(), rtol=1e-10, atol=1e-12, err_msg=str(index))
+
+
+def test_bahdanau_gradients_equal_pytorch_s_autograd():
+    gen = np.random.default_rng(12)
+    state, annotations = gen.standard_normal((3, 4)), gen.standard_normal((3, 6, 5))
+    params = {"w_q": gen.standard_normal((4, 8)), "w_k": gen.standard_normal((5, 8)), "w_v": gen.standard_normal(8)}
+    lengths = np.array([6, 2, 4])
+    context, backward = attnx.vjp(attnx.bahdanau_context, state, annotations, params, key_lengths=lengths)
+    cotangent = gen.standard_normal(context.shape)
+    grads = backward(cotangent)
+    leaves = [
+        torch.tensor(a, requires_grad=True) for a in (state, annotations, params["w_q"], params["w_k"], params["w_v"])
+    ]
+    allowed = torch.arange(6)[None, None, :] < torch.tensor(lengths)[:, None, None]
+    expected = _torch_additive(leaves[0][:, None, :], leaves[1], leaves[1], *leaves[2:], allowed=allowed)[:, 0, :]
+    np.testing.assert_allclose(context, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+    got = [grads["decoder_state"], grads["annotations"], *(grads["params"][p] for p in ("w_q", "w_k", "w_v"))]
+    for index, (ours, want) in enumerate(zip(got, torch.autograd.grad(expected, leaves, torch.tensor(cotangent)))):
+        np.testing.assert_allclose(ours, want.numpy(), rtol=1e-10, atol=1e-12, err_msg=str(index))
