@@ -39,7 +39,18 @@ from attnx._table import format_table
 #: Operations a case can time.  ``sliding_window``: a causal sliding window
 #: of :attr:`Case.window` keys through :func:`attnx.flex_attention` and a
 #: block mask (made before the timing, as it is reused across calls).
-OPERATIONS = ("sdpa", "sdpa_causal", "multi_head_attention", "additive_attention", "sliding_window")
+OPERATIONS = (
+    "sdpa",
+    "sdpa_causal",
+    "sdpa+backward",
+    "sdpa_causal+backward",
+    "multi_head_attention",
+    "additive_attention",
+    "sliding_window",
+)
+#: A training step: the forward and its backward (``attnx.vjp``'s on attnx,
+#: autograd's on the baselines), the output itself as the cotangent.
+BACKWARD = {"sdpa": "sdpa+backward", "sdpa_causal": "sdpa_causal+backward"}
 #: Baselines: name -> the library they need.
 BASELINES = {
     "numpy-textbook": "numpy",
@@ -56,8 +67,8 @@ BASELINES = {
 #: (it materialises the scores on the CPU) and under torch.compile.
 BASELINE_OPERATIONS = {
     "numpy-textbook": ("sdpa", "sdpa_causal"),
-    "torch-sdpa": ("sdpa", "sdpa_causal"),
-    "jax-sdpa": ("sdpa", "sdpa_causal"),
+    "torch-sdpa": ("sdpa", "sdpa_causal", *BACKWARD.values()),
+    "jax-sdpa": ("sdpa", "sdpa_causal", *BACKWARD.values()),
     "keras-sdpa": ("sdpa", "sdpa_causal"),
     "attnx-dense-mask": ("sliding_window",),
     "torch-flex": ("sliding_window",),
@@ -108,7 +119,9 @@ class Case:
         if self.operation == "sliding_window":  # the scores inside the window only
             keys = min(self.n, self.window + 1)
             return full * (keys * self.n - keys * (keys - 1) / 2) / (self.n * self.n)
-        return full / 2 if self.operation == "sdpa_causal" else full
+        if self.operation.endswith("+backward"):  # FlashAttention-2's count: the backward 2.5 forwards
+            full *= 3.5
+        return full / 2 if self.operation.startswith("sdpa_causal") else full
 
 
 @dataclass
@@ -251,7 +264,9 @@ def textbook_attention(q: Any, k: Any, v: Any, causal: bool = False) -> Any:
 
 def _callable(case: Case) -> tuple[Callable[[], Any], Callable[[], None]]:
     q, k, v, library, sync = _inputs(case)
-    causal = case.operation == "sdpa_causal"
+    causal = case.operation.startswith("sdpa_causal")
+    if case.operation.endswith("+backward"):
+        return _training_step(case, q, k, v, library, causal), sync
     if case.implementation == "numpy-textbook":
         return (lambda: textbook_attention(q, k, v, causal)), sync
     if case.implementation == "jax-sdpa":
@@ -295,6 +310,43 @@ def _callable(case: Case) -> tuple[Callable[[], Any], Callable[[], None]]:
     raise ValueError(f"unknown operation {case.operation!r}; choose from {OPERATIONS}")
 
 
+def _training_step(case: Case, q: Any, k: Any, v: Any, library: Any, causal: bool) -> Callable[[], Any]:
+    """Attention's forward and backward, the output as its own cotangent:
+    attnx's through :func:`attnx.vjp` (on every backend), the baselines'
+    through their autograd."""
+    if case.implementation == "torch-sdpa":
+        fused = library.nn.functional.scaled_dot_product_attention
+        leaves = [a.detach().requires_grad_() for a in (q, k, v)]
+
+        def torch_step() -> Any:
+            output = fused(*leaves, is_causal=causal)
+            return library.autograd.grad(output, leaves, output.detach())
+
+        return torch_step
+    if case.implementation == "jax-sdpa":
+        jax = library
+        swap = [jax.numpy.swapaxes(a, 1, 2) for a in (q, k, v)]
+
+        def jax_step(a: Any, b: Any, c: Any) -> Any:
+            output, pull_back = jax.vjp(
+                lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal), a, b, c
+            )
+            return pull_back(output)
+
+        jitted = jax.jit(jax_step)
+        return lambda: jax.block_until_ready(jitted(*swap))
+    if not case.implementation.startswith("attnx:"):
+        raise ValueError(f"{case.implementation} has no backward to time; give torch-sdpa or jax-sdpa as baselines")
+    import attnx
+
+    def attnx_step(q: Any, k: Any, v: Any) -> Any:
+        output, backward = attnx.vjp(attnx.scaled_dot_product_attention, q, k, v, is_causal=causal)
+        grads = backward(output)
+        return grads["query"], grads["key"], grads["value"]
+
+    return _as_users_run(case, attnx_step, q, k, v)
+
+
 def _sliding_window(case: Case, q: Any, k: Any, v: Any, library: Any) -> Callable[[], Any]:
     """A causal sliding window of ``case.window`` keys, by the case's
     implementation; the block masks are made here, before any timing."""
@@ -335,14 +387,19 @@ def _as_users_run(case: Case, function: Callable[..., Any], *arrays: Any) -> Cal
         import jax
 
         jitted = jax.jit(function)
-        return lambda: jitted(*arrays).block_until_ready()
-    if backend == "dask" and case.workers:
-        # The output stays where it was computed and only its sum comes back: a
-        # cluster's users rarely gather a whole output into one process (and
-        # persist() would find the same names in memory, computing nothing).
-        return lambda: function(*arrays).sum().compute()
+        return lambda: jax.block_until_ready(jitted(*arrays))  # an array, or a training step's gradients
     if backend == "dask":
-        return lambda: function(*arrays).compute()
+        import dask
+
+        def computed() -> Any:
+            result = function(*arrays)
+            results = result if isinstance(result, tuple) else (result,)
+            # On a cluster each output stays where it was computed and only its sum comes back: its
+            # users rarely gather a whole output into one process (and persist() would find the same
+            # names in memory, computing nothing).
+            return dask.compute(*(part.sum() if case.workers else part for part in results))
+
+        return computed
     return lambda: function(*arrays)
 
 

@@ -226,9 +226,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for baseline, module in benchmark.BASELINES.items():
             if baseline != "numpy-textbook" and not args.no_baselines and importlib.util.find_spec(module) is not None:
                 baselines.append(baseline)
+    operations = args.operations
+    if args.backward:
+        wrong = [op for op in operations if op not in benchmark.BACKWARD and op not in benchmark.BACKWARD.values()]
+        if wrong:
+            args.parser.error(f"--backward times sdpa and sdpa_causal only, got --operations {' '.join(wrong)}")
+        operations = [benchmark.BACKWARD.get(op, op) for op in operations]
+        baselines = [b for b in baselines if b in ("torch-sdpa", "jax-sdpa")]  # the ones with a backward
     cases = benchmark.plan(
         args.backends,
-        args.operations,
+        operations,
         args.sizes,
         batch=args.batch,
         heads=args.heads,
@@ -422,6 +429,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=256,
         help="keys each query attends before its own, for the sliding_window operation (flex_attention)",
+    )
+    bench.add_argument(
+        "--backward",
+        action="store_true",
+        help="time training steps: sdpa and sdpa_causal with their backward (attnx.vjp on attnx's backends, "
+        "autograd on the torch-sdpa and jax-sdpa baselines), the output as its own cotangent",
     )
     bench.add_argument("--out", default="attnx-bench", help="folder for results.md, results.json and plots")
     bench.set_defaults(run=cmd_bench)

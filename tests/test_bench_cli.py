@@ -415,3 +415,31 @@ def test_the_report_says_how_idle_cpus_wait(tmp_path, files, said):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     assert benchmark._idle_policy(tmp_path) == said
+
+
+@pytest.mark.parametrize("baseline", ["torch-sdpa", "jax-sdpa"])
+def test_each_training_step_computes_the_gradients_attnx_computes(baseline):
+    """``--backward``: a baseline's training step gives the gradients of
+    attnx's (``attnx.vjp`` on NumPy), the output as the cotangent."""
+    pytest.importorskip(baseline.partition("-")[0])
+    shape = {"batch": 2, "heads": 3, "n": 16, "head_dim": 8}
+    for operation in benchmark.BACKWARD.values():
+        expected_function, _ = benchmark._callable(Case("attnx:numpy", operation, **shape))
+        function, _ = benchmark._callable(Case(baseline, operation, **shape))
+        for got, expected in zip(function(), expected_function()):
+            got = np.asarray(got)
+            if baseline == "jax-sdpa":
+                got = got.swapaxes(1, 2)
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg=operation)
+    assert Case("attnx:numpy", "sdpa+backward", **shape).flops == 3.5 * Case("attnx:numpy", "sdpa", **shape).flops
+
+
+def test_backward_of_an_operation_without_one_is_one_error_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "attnx.cli", "bench", "--backward", "--operations", "additive_attention"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("attnx bench: error: --backward times sdpa")
+    assert "Traceback" not in result.stderr
