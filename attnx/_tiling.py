@@ -296,17 +296,28 @@ def backward_tiles(
     # D = rowsum(dO * O): the weights' gradient shifts by it in every tile
     shift_all = xp.sum(cotangent * output, axis=-1, keepdims=True)
 
-    def spliced(total: Any, part: Any, cols: Span) -> Any:
-        """``total`` with ``part`` added on the key axis at ``cols`` (no
-        item assignment: the standard's arrays may be immutable)."""
-        c0, c1 = cols
-        pieces = [total[..., :c0, :]] if c0 > 0 else []
-        pieces.append(total[..., c0:c1, :] + part)
-        if c1 < m:
-            pieces.append(total[..., c1:, :])
+    def laid_out(parts: list[tuple[int, int, Any]], like: Any) -> Any:
+        """A row range's tiles of a key-side gradient, each ``(c0, c1, part)``
+        (disjoint), laid out over all ``m`` keys with zeros between: one
+        concatenation a range of rows, not one a tile (no item assignment:
+        the standard's arrays may be immutable)."""
+        pieces, at = [], 0
+        lead, width = tuple(like.shape[:-2]), like.shape[-1]
+        for c0, c1, part in sorted(parts, key=lambda entry: entry[0]):
+            if c0 > at:
+                pieces.append(xp.zeros((*lead, c0 - at, width), dtype=compute, device=device))
+            pieces.append(xp.broadcast_to(part, (*lead, c1 - c0, width)) if tuple(part.shape[:-2]) != lead else part)
+            at = c1
+        if at < m:
+            pieces.append(xp.zeros((*lead, m - at, width), dtype=compute, device=device))
         return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-2)
 
-    def group_gradients(index: int) -> tuple[Any, Any, Any, Any]:
+    def group_gradients(item: tuple[int, range]) -> tuple[list[Any], Any, Any, Any]:
+        """One group's gradients from some of its ranges of rows: their
+        ``d_query`` rows (a list, one a range), and their parts of
+        ``d_key``, ``d_value`` and ``d_scale`` (summed with the other items'
+        of the group)."""
+        index, starts = item
         span = groups[index]
         arrays = (query, key, value, output, cotangent, shift_all)
         if span is not None:
@@ -318,7 +329,7 @@ def backward_tiles(
         d_value = xp.zeros((*group_shape, m, d_v), dtype=compute, device=device)
         d_scale = xp.zeros((), dtype=compute, device=device)
         row_grads = []
-        for r0 in range(0, n, query_chunk):
+        for r0 in starts:
             rows = (r0, min(n, r0 + query_chunk))
             q_rows = q_scaled[..., rows[0] : rows[1], :]
             visits = list(tiles(span, rows))
@@ -338,27 +349,48 @@ def backward_tiles(
             row_max, total = state[..., -1:], _masking.nonzero_total(xp, state[..., -2:-1])
             shift_rows = shift[..., rows[0] : rows[1], :]
             d_rows = None  # dS @ K, unscaled: d_query is its scale times, d_scale its product with q
+            key_parts, value_parts = [], []  # this range's tiles of d_key and d_value
             # walk 2: each tile's weights again, and its part of every gradient
             for c0, c1, masked in visits:
                 scores, allowed, additive = tile_scores(q_rows @ key_t[..., c0:c1], span, rows, (c0, c1), masked)
                 # the masks applied as in the forward, shifted by the whole row's maximum
                 weights, _ = _masking.unnormalised_softmax(xp, scores, allowed, additive, running_max=row_max)
                 probabilities = weights / total  # 0 where masked or nothing attended
-                d_value = spliced(d_value, xp.matrix_transpose(probabilities) @ d_out_rows, (c0, c1))
+                value_parts.append((c0, c1, xp.matrix_transpose(probabilities) @ d_out_rows))
                 d_scores = probabilities * (d_out_rows @ value_t[..., c0:c1] - shift_rows)
                 part = d_scores @ k[..., c0:c1, :]
                 d_rows = part if d_rows is None else d_rows + part
-                d_key = spliced(d_key, xp.matrix_transpose(d_scores) @ q_rows, (c0, c1))
+                key_parts.append((c0, c1, xp.matrix_transpose(d_scores) @ q_rows))
+            d_key = d_key + laid_out(key_parts, d_key)
+            d_value = d_value + laid_out(value_parts, d_value)
             d_scale = d_scale + xp.sum(d_rows * q[..., rows[0] : rows[1], :])
             d_rows = d_rows * scale
             if tuple(d_rows.shape[:-2]) != group_shape:
                 d_rows = xp.broadcast_to(d_rows, (*group_shape, *d_rows.shape[-2:]))
             row_grads.append(d_rows)
-        d_query = row_grads[0] if len(row_grads) == 1 else xp.concat(row_grads, axis=-2)
-        return d_query, d_key, d_value, d_scale
+        return row_grads, d_key, d_value, d_scale
 
+    # Where the groups are fewer than the blocks that can run at once, each
+    # group's ranges of rows are shared out too: their key-side parts are
+    # summed after (each item holds a d_key and d_value of its own).
+    starts = range(0, n, query_chunk)
+    shares = max(1, min(len(starts), concurrent_blocks // len(groups)))
+    items = [(index, starts[share::shares]) for index in range(len(groups)) for share in range(shares)]
     run = map_blocks if map_blocks is not None else (lambda function, items: [function(item) for item in items])
-    per_group = run(group_gradients, list(range(len(groups))))
+    results = run(group_gradients, items)
+    per_group = []
+    for index in range(len(groups)):
+        shared = list(zip(items[index * shares : (index + 1) * shares], results[index * shares : (index + 1) * shares]))
+        # The shares hold the ranges s, s + shares, ...: the rows back in order.
+        rows = sorted(
+            ((r0, grad) for (_, share_starts), result in shared for r0, grad in zip(share_starts, result[0])),
+            key=lambda entry: entry[0],
+        )
+        d_query = rows[0][1] if len(rows) == 1 else xp.concat([grad for _, grad in rows], axis=-2)
+        d_key, d_value, d_scale = shared[0][1][1:]
+        for _, result in shared[1:]:
+            d_key, d_value, d_scale = d_key + result[1], d_value + result[2], d_scale + result[3]
+        per_group.append((d_query, d_key, d_value, d_scale))
     if len(per_group) == 1:
         return per_group[0]
     d_query, d_key, d_value = (xp.concat([g[i] for g in per_group], axis=0) for i in range(3))
