@@ -47,11 +47,7 @@ def scaled_dot_product_attention_vjp(
         raise ValueError(
             f"{operation}: return_weights=True has two outputs; differentiate the weights through attnx.masked_softmax"
         )
-    if mask is not None and _checks.is_float_dtype(xp, mask.dtype):
-        raise TypeError(
-            f"{operation}: the gradient of a real (additive) mask is not implemented yet; give a boolean mask "
-            f"(True attends), got dtype {_checks.dtype_label(mask.dtype)}"
-        )
+    real_mask = mask is not None and _checks.is_float_dtype(xp, mask.dtype)
     output = scaled_dot_product_attention(
         query,
         key,
@@ -83,7 +79,7 @@ def scaled_dot_product_attention_vjp(
 
     def backward(cotangent: Any) -> dict[str, Any]:
         _cotangents.require(operation, cotangent, output)
-        d_query, d_key, d_value, d_scale = _tiling.backward_tiles(
+        d_query, d_key, d_value, d_scale, *d_mask = _tiling.backward_tiles(
             xp,
             query,
             key,
@@ -99,6 +95,7 @@ def scaled_dot_product_attention_vjp(
             map_blocks=chosen.map_blocks,
             concurrent_blocks=chosen.concurrent_blocks,
             block_bytes=block_bytes,
+            mask_shape=tuple(mask.shape) if real_mask else None,
         )
         grads = {
             "query": _cotangents.like(xp, d_query, query),
@@ -109,6 +106,8 @@ def scaled_dot_product_attention_vjp(
         # back): a training loop's updated scale keeps its gradient.
         if scale is not None and type(scale) not in (int, float):
             grads["scale"] = _cotangents.like(xp, d_scale, scale) if chosen.owns(scale) else d_scale
+        if real_mask:  # added to the scores: their gradient, summed where it broadcasts
+            grads["mask"] = _cotangents.like(xp, d_mask[0], mask)
         return grads
 
     return output, backward

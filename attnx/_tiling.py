@@ -267,7 +267,8 @@ def backward_tiles(
     concurrent_blocks: int = 1,
     block_bytes: int = BLOCK_BYTES,
     scores_may_mask: bool = False,
-) -> tuple[Any, Any, Any, Any]:
+    mask_shape: tuple[int, ...] | None = None,
+) -> tuple[Any, ...]:
     """The gradients of :func:`attend_tiles`' output, walking the same tiles.
 
     The FlashAttention-2 backward, array API only: for each range of rows,
@@ -281,7 +282,10 @@ def backward_tiles(
 
     Returns ``(d_query, d_key, d_value, d_scale)`` over ``batch_shape`` (the
     caller sums them to its inputs' broadcast shapes), in the accumulation
-    dtype; ``d_scale`` is a 0-d array.
+    dtype; ``d_scale`` is a 0-d array.  With ``mask_shape``, the shape of a
+    real mask added to the scores, its gradient comes fifth: the scores'
+    gradient, summed where the mask broadcasts (its other leading axes are
+    the caller's to sum), each range of rows' tiles laid out together.
     """
     batch_shape = tuple(batch_shape)
     compute, (query, key, value, output, cotangent) = _checks.in_accumulation_dtype(
@@ -295,6 +299,24 @@ def backward_tiles(
     ndim = len(batch_shape)
     # D = rowsum(dO * O): the weights' gradient shifts by it in every tile
     shift_all = xp.sum(cotangent * output, axis=-1, keepdims=True)
+    # The mask's shape against (*batch_shape, n, m): the axes its gradient is summed along.
+    aligned = None if mask_shape is None else (1,) * (ndim + 2 - len(mask_shape)) + tuple(mask_shape[-(ndim + 2) :])
+
+    def mask_part(parts: list[tuple[int, int, Any]], group_shape: tuple[int, ...], rows: Span) -> Any:
+        """A range of rows' tiles of the scores' gradient ``(..., r, c)``
+        over all ``m`` keys, summed along the axes the mask broadcasts."""
+        pieces, at = [], 0
+        shape = (*group_shape, rows[1] - rows[0])
+        for c0, c1, part in sorted(parts, key=lambda entry: entry[0]):
+            if c0 > at:
+                pieces.append(xp.zeros((*shape, c0 - at), dtype=compute, device=device))
+            pieces.append(xp.broadcast_to(part, (*shape, c1 - c0)))
+            at = c1
+        if at < m:
+            pieces.append(xp.zeros((*shape, m - at), dtype=compute, device=device))
+        whole = pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-1)
+        axes = tuple(axis for axis, size in enumerate(aligned) if size == 1 and whole.shape[axis] != 1)
+        return xp.sum(whole, axis=axes, keepdims=True) if axes else whole
 
     def laid_out(parts: list[tuple[int, int, Any]], like: Any) -> Any:
         """A row range's tiles of a key-side gradient, each ``(c0, c1, part)``
@@ -328,7 +350,7 @@ def backward_tiles(
         d_key = xp.zeros((*group_shape, m, d_k), dtype=compute, device=device)
         d_value = xp.zeros((*group_shape, m, d_v), dtype=compute, device=device)
         d_scale = xp.zeros((), dtype=compute, device=device)
-        row_grads = []
+        row_grads, mask_grads = [], []
         for r0 in starts:
             rows = (r0, min(n, r0 + query_chunk))
             q_rows = q_scaled[..., rows[0] : rows[1], :]
@@ -345,11 +367,13 @@ def backward_tiles(
             d_out_rows = d_out[..., rows[0] : rows[1], :]
             if state is None:  # nothing visited: these rows attend nothing
                 row_grads.append(xp.zeros((*group_shape, rows[1] - rows[0], d_k), dtype=compute, device=device))
+                if aligned is not None:
+                    mask_grads.append(mask_part([], group_shape, rows))
                 continue
             row_max, total = state[..., -1:], _masking.nonzero_total(xp, state[..., -2:-1])
             shift_rows = shift[..., rows[0] : rows[1], :]
             d_rows = None  # dS @ K, unscaled: d_query is its scale times, d_scale its product with q
-            key_parts, value_parts = [], []  # this range's tiles of d_key and d_value
+            key_parts, value_parts, score_parts = [], [], []  # this range's tiles of d_key, d_value, dS
             # walk 2: each tile's weights again, and its part of every gradient
             for c0, c1, masked in visits:
                 scores, allowed, additive = tile_scores(q_rows @ key_t[..., c0:c1], span, rows, (c0, c1), masked)
@@ -358,17 +382,21 @@ def backward_tiles(
                 probabilities = weights / total  # 0 where masked or nothing attended
                 value_parts.append((c0, c1, xp.matrix_transpose(probabilities) @ d_out_rows))
                 d_scores = probabilities * (d_out_rows @ value_t[..., c0:c1] - shift_rows)
+                if aligned is not None:
+                    score_parts.append((c0, c1, d_scores))
                 part = d_scores @ k[..., c0:c1, :]
                 d_rows = part if d_rows is None else d_rows + part
                 key_parts.append((c0, c1, xp.matrix_transpose(d_scores) @ q_rows))
             d_key = d_key + laid_out(key_parts, d_key)
             d_value = d_value + laid_out(value_parts, d_value)
+            if aligned is not None:
+                mask_grads.append(mask_part(score_parts, group_shape, rows))
             d_scale = d_scale + xp.sum(d_rows * q[..., rows[0] : rows[1], :])
             d_rows = d_rows * scale
             if tuple(d_rows.shape[:-2]) != group_shape:
                 d_rows = xp.broadcast_to(d_rows, (*group_shape, *d_rows.shape[-2:]))
             row_grads.append(d_rows)
-        return row_grads, d_key, d_value, d_scale
+        return row_grads, d_key, d_value, d_scale, mask_grads
 
     # Where the groups are fewer than the blocks that can run at once, each
     # group's ranges of rows are shared out too: their key-side parts are
@@ -382,19 +410,39 @@ def backward_tiles(
     for index in range(len(groups)):
         shared = list(zip(items[index * shares : (index + 1) * shares], results[index * shares : (index + 1) * shares]))
         # The shares hold the ranges s, s + shares, ...: the rows back in order.
-        rows = sorted(
-            ((r0, grad) for (_, share_starts), result in shared for r0, grad in zip(share_starts, result[0])),
+        ordered = sorted(
+            (
+                (r0, grad, mask_grad)
+                for (_, share_starts), result in shared
+                for r0, grad, mask_grad in zip(share_starts, result[0], result[4] or [None] * len(result[0]))
+            ),
             key=lambda entry: entry[0],
         )
-        d_query = rows[0][1] if len(rows) == 1 else xp.concat([grad for _, grad in rows], axis=-2)
-        d_key, d_value, d_scale = shared[0][1][1:]
+        d_query = _joined(xp, [grad for _, grad, _ in ordered], -2)
+        d_key, d_value, d_scale = shared[0][1][1:4]
         for _, result in shared[1:]:
             d_key, d_value, d_scale = d_key + result[1], d_value + result[2], d_scale + result[3]
-        per_group.append((d_query, d_key, d_value, d_scale))
+        gradients = [d_query, d_key, d_value, d_scale]
+        if aligned is not None:  # the rows' parts side by side, or summed where the mask has one row
+            mask_rows = [mask_grad for _, _, mask_grad in ordered]
+            gradients.append(_summed(mask_rows) if aligned[-2] == 1 else _joined(xp, mask_rows, -2))
+        per_group.append(tuple(gradients))
     if len(per_group) == 1:
         return per_group[0]
-    d_query, d_key, d_value = (xp.concat([g[i] for g in per_group], axis=0) for i in range(3))
-    d_scale = per_group[0][3]
-    for g in per_group[1:]:
-        d_scale = d_scale + g[3]
-    return d_query, d_key, d_value, d_scale
+    gradients = [xp.concat([g[i] for g in per_group], axis=0) for i in range(3)]
+    gradients.append(_summed([g[3] for g in per_group]))
+    if aligned is not None:  # the groups' parts along the batch, or summed where the mask has no batch
+        mask_groups = [g[4] for g in per_group]
+        gradients.append(_summed(mask_groups) if aligned[0] == 1 else xp.concat(mask_groups, axis=0))
+    return tuple(gradients)
+
+
+def _joined(xp: Any, arrays: list[Any], axis: int) -> Any:
+    return arrays[0] if len(arrays) == 1 else xp.concat(arrays, axis=axis)
+
+
+def _summed(arrays: list[Any]) -> Any:
+    total = arrays[0]
+    for array in arrays[1:]:
+        total = total + array
+    return total

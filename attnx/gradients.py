@@ -47,7 +47,8 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
         Given a cotangent of ``output`` (its shape, dtype and backend), the
         cotangents of the operation's floating-point array arguments, by
         parameter name: ``query``, ``key``, ``value`` and, where it was an
-        array or a NumPy scalar, ``scale``; ``scores`` (and a real ``mask``) for
+        array or a NumPy scalar, ``scale``, and a real ``mask``; ``scores``
+        (and a real ``mask``) for
         ``masked_softmax``; ``query``, ``key``, ``value`` and ``params`` (a
         dict by the params' names) for ``multi_head_attention`` and
         ``additive_attention`` (and a real ``mask``'s there);
@@ -64,8 +65,8 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     ------
     TypeError
         If ``operation`` is not one that :func:`vjp` differentiates, a real
-        (additive) mask is given to ``scaled_dot_product_attention`` or
-        ``multi_head_attention`` (its gradient is not implemented yet), a kernel of the user's own to
+        (additive) mask is given to ``multi_head_attention`` (its gradient
+        is not implemented yet), a kernel of the user's own to
         ``nadaraya_watson``, or the cotangent is not an array of the
         output's backend and dtype; and whatever ``operation`` raises for
         its arguments.

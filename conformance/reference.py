@@ -89,20 +89,24 @@ def scaled_dot_product_attention_vjp(
     cotangent: np.ndarray,
     *,
     allowed: np.ndarray | None = None,
+    additive: np.ndarray | None = None,
     scale: float | None = None,
 ) -> dict[str, np.ndarray]:
-    """The cotangents of ``query``, ``key``, ``value`` and ``scale`` for
-    ``cotangent`` of the output, from the chain rule on the dense formula:
-    ``dV = P^T dO``, ``dS = P * (dO V^T - rowsum(dO * O))``, ``dQ = s dS K``,
-    ``dK = s dS^T Q``, ``d_scale = sum(dS * Q K^T)``; each summed over the
-    axes its argument was broadcast along."""
+    """The cotangents of ``query``, ``key``, ``value``, ``scale`` (and an
+    ``additive`` mask's) for ``cotangent`` of the output, from the chain
+    rule on the dense formula: ``dV = P^T dO``, ``dS = P * (dO V^T -
+    rowsum(dO * O))``, ``dQ = s dS K``, ``dK = s dS^T Q``, ``d_scale =
+    sum(dS * Q K^T)``, ``d_additive = dS``; each summed over the axes its
+    argument was broadcast along."""
     shapes = {"query": np.shape(query), "key": np.shape(key), "value": np.shape(value)}
+    if additive is not None:
+        shapes["additive"] = np.shape(additive)
     query, key, value, cotangent = (np.asarray(a, dtype=np.float64) for a in (query, key, value, cotangent))
     lead = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
     query, key, value = (np.broadcast_to(a, (*lead, *a.shape[-2:])) for a in (query, key, value))
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    output, weights = scaled_dot_product_attention(query, key, value, allowed=allowed, scale=scale)
+    output, weights = scaled_dot_product_attention(query, key, value, allowed=allowed, additive=additive, scale=scale)
     d_weights = np.einsum("...nd,...md->...nm", cotangent, value)
     d_scores = weights * (d_weights - np.sum(cotangent * output, axis=-1, keepdims=True))
     unscaled = np.einsum("...nd,...md->...nm", query, key)
@@ -110,6 +114,7 @@ def scaled_dot_product_attention_vjp(
         "query": scale * np.einsum("...nm,...md->...nd", d_scores, key),
         "key": scale * np.einsum("...nm,...nd->...md", d_scores, query),
         "value": np.einsum("...nm,...nd->...md", weights, cotangent),
+        "additive": d_scores,
     }
     for name, shape in shapes.items():
         grad = grads[name]

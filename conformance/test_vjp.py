@@ -63,12 +63,49 @@ def test_attention_gradients_equal_the_chain_rule(attnx_backend, name, n, m, kv_
     assert_close(grads["scale"], expected["scale"], be, dtype, scale=16.0)
 
 
-def test_a_real_mask_s_gradient_is_refused_by_name(attnx_backend):
+@pytest.mark.parametrize(
+    ("mask_shape", "chunk_size"),
+    [((5, 7), (2, 3)), ((2, 1, 1, 7), None)],
+    ids=["(n, m) in tiles, -inf entries", "padding-like (B, 1, 1, m)"],
+)
+def test_a_real_mask_gets_the_scores_gradient(attnx_backend, mask_shape, chunk_size):
+    """An additive mask's gradient is the scores', summed where it
+    broadcasts; its ``-inf`` entries get none."""
     be = attnx_backend
-    q = be.array(np.ones((1, 2, 3)), be.dtype("float64"))
-    bias = be.array(np.zeros((2, 2)), be.dtype("float64"))
-    with pytest.raises(TypeError, match="additive"):
-        attnx.vjp(attnx.scaled_dot_product_attention, q, q, q, mask=bias)
+    dtype = be.dtype("float64")
+    gen = rng(67, len(mask_shape))
+    data = {
+        "query": gen.standard_normal((2, 3, 5, 4)),
+        "key": gen.standard_normal((2, 3, 7, 4)),
+        "value": gen.standard_normal((2, 3, 7, 2)),
+        "mask": np.where(gen.random(mask_shape) < 0.8, gen.standard_normal(mask_shape), -np.inf),
+        "cotangent": gen.standard_normal((2, 3, 5, 2)),
+    }
+    data["mask"][..., 0] = 0.0  # every row attends a key
+    data = {k: rounded(v, be, dtype) for k, v in data.items()}
+    arrays = {k: be.array(v, dtype) for k, v in data.items()}
+    output, backward = attnx.vjp(
+        attnx.scaled_dot_product_attention,
+        arrays["query"],
+        arrays["key"],
+        arrays["value"],
+        mask=arrays["mask"],
+        chunk_size=chunk_size,
+    )
+    grads = backward(arrays["cotangent"])
+    finite = np.isfinite(data["mask"])
+    expected = reference.scaled_dot_product_attention_vjp(
+        data["query"],
+        data["key"],
+        data["value"],
+        data["cotangent"],
+        allowed=finite,
+        additive=np.where(finite, data["mask"], 0.0),
+    )
+    assert sorted(grads) == ["key", "mask", "query", "value"]
+    for argument in ("query", "key", "value"):
+        assert_close(grads[argument], expected[argument], be, dtype, like=arrays[argument], scale=4.0)
+    assert_close(grads["mask"], expected["additive"], be, dtype, like=arrays["mask"], scale=4.0)
 
 
 def test_softmax_gradients_equal_the_chain_rule(attnx_backend):

@@ -14,6 +14,8 @@ import attnx
 
 torch = pytest.importorskip("torch")
 
+_PARAMS = attnx.init_multi_head_params(4, 2, seed=0, dtype="float64")
+
 GRID = list(
     itertools.product(
         [(5, 7), (9, 4)],  # (n, m): fewer queries than keys, and more
@@ -93,7 +95,9 @@ def test_a_float_scale_gets_no_gradient_and_dtypes_are_kept():
             "masked_softmax",
         ),
         (
-            lambda q: attnx.vjp(attnx.scaled_dot_product_attention, q, q, q, mask=np.zeros((3, 3))),
+            lambda q: attnx.vjp(
+                attnx.multi_head_attention, q[0], q[0], q[0], _PARAMS, num_heads=2, mask=np.zeros((3, 3))
+            ),
             TypeError,
             "additive",
         ),
@@ -113,9 +117,17 @@ def test_a_float_scale_gets_no_gradient_and_dtypes_are_kept():
             "cotangent must be an array",
         ),
     ],
-    ids=["not differentiable yet", "weights", "additive mask", "cotangent shape", "cotangent dtype", "cotangent type"],
+    ids=[
+        "not differentiable yet",
+        "weights",
+        "additive mask in multi-head",
+        "cotangent shape",
+        "cotangent dtype",
+        "cotangent type",
+    ],
 )
 def test_what_vjp_cannot_do_exactly_is_refused_by_name(call, error, words):
+    """(A multi-head mask that is real: its gradient through the heads' layout is not written yet.)"""
     with pytest.raises(error, match=words):
         call(np.ones((1, 3, 4)))
 
@@ -427,3 +439,32 @@ def test_bahdanau_gradients_equal_pytorch_s_autograd():
     got = [grads["decoder_state"], grads["annotations"], *(grads["params"][p] for p in ("w_q", "w_k", "w_v"))]
     for index, (ours, want) in enumerate(zip(got, torch.autograd.grad(expected, leaves, torch.tensor(cotangent)))):
         np.testing.assert_allclose(ours, want.numpy(), rtol=1e-10, atol=1e-12, err_msg=str(index))
+
+
+@pytest.mark.parametrize("mask_shape", [(5, 7), (2, 1, 5, 7), (2, 3, 5, 7), (1, 7), (3, 1, 1), (5, 1)])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("chunk_size", [None, (2, 3)], ids=["one tile", "tiles"])
+def test_a_real_mask_s_gradient_equals_pytorch_s_autograd(mask_shape, is_causal, chunk_size):
+    """Every broadcast of an additive mask, ``-inf`` entries included, in one tile and in many."""
+    gen = np.random.default_rng(len(mask_shape) * 10 + is_causal)
+    q, k, v = gen.standard_normal((2, 3, 5, 4)), gen.standard_normal((2, 1, 7, 4)), gen.standard_normal((2, 1, 7, 6))
+    mask = gen.standard_normal(mask_shape)
+    if mask_shape[-1] == 7:
+        mask = np.where(gen.random(mask_shape) < 0.85, mask, -np.inf)
+    out, backward = attnx.vjp(
+        attnx.scaled_dot_product_attention, q, k, v, mask=mask, is_causal=is_causal, chunk_size=chunk_size
+    )
+    cotangent = gen.standard_normal(out.shape)
+    grads = backward(cotangent)
+    leaves = [torch.tensor(a, requires_grad=True) for a in (q, k, v, mask)]
+    scores = leaves[0] @ leaves[1].transpose(-1, -2) / 2 + leaves[3]
+    if is_causal:  # attnx's alignment: the last query with the last key
+        scores = scores.masked_fill(~(torch.arange(7)[None, :] <= torch.arange(5)[:, None] + 2), -torch.inf)
+    expected = torch.softmax(scores, -1).nan_to_num(0.0) @ leaves[2]
+    np.testing.assert_allclose(out, expected.detach().numpy(), rtol=1e-12, atol=1e-12)
+    assert sorted(grads) == ["key", "mask", "query", "value"]
+    for name, want in zip(
+        ("query", "key", "value", "mask"), torch.autograd.grad(expected, leaves, torch.tensor(cotangent))
+    ):
+        assert not np.isnan(grads[name]).any(), name
+        np.testing.assert_allclose(grads[name], np.nan_to_num(want.numpy()), rtol=1e-10, atol=1e-12, err_msg=name)
