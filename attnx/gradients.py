@@ -101,29 +101,27 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     >>> bool(np.allclose(grads["value"][..., 0], weights.sum(-2)))
     True
     """
-    if operation is scaled_dot_product_attention:
-        return scaled_dot_product_attention_vjp(*args, **kwargs)
-    if operation is masked_softmax:
-        return masked_softmax_vjp(*args, **kwargs)
-    if operation is nadaraya_watson:
-        return nadaraya_watson_vjp(*args, **kwargs)
-    if operation is additive_attention:
-        return additive_attention_vjp(*args, **kwargs)
-    if operation is bahdanau_context:
-        return bahdanau_context_vjp(*args, **kwargs)
-    if operation is multi_head_attention:
-        return multi_head_attention_vjp(*args, **kwargs)
-    if operation is causal_conv1d:
-        return causal_conv1d_vjp(*args, **kwargs)
-    if operation is apply_rotary:
-        return apply_rotary_vjp(*args, **kwargs)
-    if isinstance(operation, LearnedPositions):
+    if isinstance(operation, LearnedPositions):  # a lookup in its table
         return learned_positions_vjp(operation, *args, **kwargs)
-    name = getattr(operation, "__qualname__", repr(operation))
-    raise TypeError(
-        f"{_VJP}: can't differentiate {name} yet; it differentiates attnx.scaled_dot_product_attention, "
-        "attnx.masked_softmax, attnx.multi_head_attention, attnx.additive_attention, attnx.bahdanau_context, "
-        "attnx.nadaraya_watson, attnx.causal_conv1d, "
-        "attnx.apply_rotary and a "
-        "LearnedPositions (on PyTorch and JAX, their own autograd differentiates every operation)"
-    )
+    rule = _RULES.get(operation) if callable(operation) else None
+    if rule is None:
+        name = getattr(operation, "__qualname__", repr(operation))
+        known = ", ".join(f"attnx.{function.__name__}" for function in _RULES)
+        raise TypeError(
+            f"{_VJP}: can't differentiate {name} yet; it differentiates {known} and a LearnedPositions "
+            "(on PyTorch and JAX, their own autograd differentiates every operation)"
+        )
+    return rule(*args, **kwargs)
+
+
+#: Each operation's backward, beside its forward in its own module.
+_RULES: dict[Callable[..., Any], Callable[..., Any]] = {
+    scaled_dot_product_attention: scaled_dot_product_attention_vjp,
+    masked_softmax: masked_softmax_vjp,
+    multi_head_attention: multi_head_attention_vjp,
+    additive_attention: additive_attention_vjp,
+    bahdanau_context: bahdanau_context_vjp,
+    nadaraya_watson: nadaraya_watson_vjp,
+    causal_conv1d: causal_conv1d_vjp,
+    apply_rotary: apply_rotary_vjp,
+}
