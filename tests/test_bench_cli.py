@@ -33,6 +33,8 @@ def test_bench_writes_table_json_and_plots(tmp_path):
             "8",
             "--repeat",
             "2",
+            "--baselines",  # each case is a process of its own: PyTorch's and JAX's imports took 35 s here
+            "numpy-textbook",
             "--out",
             str(out),
         ],

@@ -82,7 +82,7 @@ def test_kernel_regression_fit_equals_the_formula_at_the_learned_width(tmp_path)
 def test_kernel_regression_learns_the_same_width_through_vjp_on_numpy_as_through_pytorch_s_autograd(tmp_path):
     widths = []
     for options in ([], ["--autograd"]):
-        result = _run("nadaraya_watson_fit.py", "--steps", "20", "--out", str(tmp_path / "plot.png"), *options)
+        result = _run("nadaraya_watson_fit.py", "--steps", "10", "--out", str(tmp_path / "plot.png"), *options)
         assert result.returncode == 0, result.stderr
         widths.append(float(re.search(r"learned w ([\d.]+)", result.stdout).group(1)))
     assert widths[0] == pytest.approx(widths[1], abs=1e-9)
