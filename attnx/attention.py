@@ -161,7 +161,7 @@ def scaled_dot_product_attention(
         _checks.require_flag(_SDPA, "is_causal", is_causal)
         _checks.require_flag(_SDPA, "return_weights", return_weights)
         if is_causal:
-            _checks.require_known(_SDPA, "is_causal", {"query": query, "key": key})
+            _checks.require_known(_SDPA, "is_causal", {"query": query, "key": key}, axes=(-2,))
     scale, batch_shape, n, m = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
     block_bytes = chosen.block_bytes_on(_checks.device_of(query))
     if _checks.traced(query):  # a traced program compiles each block and dispatches none

@@ -85,6 +85,12 @@ def test_unknown_sizes_where_the_plan_does_not_need_them():
     output = attnx.scaled_dot_product_attention(*picked)
     assert np.isnan(output.shape[0])
     np.testing.assert_allclose(output.compute(), _reference(q[sequences], k[sequences], v[sequences]), rtol=1e-10)
+    # The causal rule needs n and m alone: a batch of unknown size is no matter (issue 59), whole or in tiles.
+    for chunk_size in (None, (4, 5)):
+        output = attnx.scaled_dot_product_attention(*picked, is_causal=True, chunk_size=chunk_size)
+        assert np.isnan(output.shape[0])
+        expected = attnx.scaled_dot_product_attention(q[sequences], k[sequences], v[sequences], is_causal=True)
+        np.testing.assert_allclose(output.compute(), expected, rtol=1e-10)
     keys = np.arange(12) % 4 > 0
     lazy_keys = da.from_array(keys, chunks=3)
     output = attnx.scaled_dot_product_attention(lazy[0], lazy[1][:, lazy_keys], lazy[2][:, lazy_keys])
