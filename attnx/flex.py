@@ -543,11 +543,15 @@ def call_score_mod(
     tile = tuple(scores.shape)
     result = _call_mod(operation, chosen, "score_mod", score_mod, (scores, *indices), indices, tile)
     if result.dtype != scores.dtype:
-        raise TypeError(
-            f"{operation}: score_mod must return scores of their own dtype {_checks.dtype_name(scores)}, got "
-            f"{_checks.dtype_name(result)}: a term of the integer indices or a value it closes over promoted "
-            f"them (NumPy makes float32 with int64 float64); cast such terms, e.g. xp.astype(q_idx - kv_idx, score.dtype)"
-        )
+        if not _checks.is_float_dtype(xp, result.dtype):
+            raise TypeError(
+                f"{operation}: score_mod must return scores of their own dtype {_checks.dtype_name(scores)}, got "
+                f"{_checks.dtype_name(result)}"
+            )
+        # Real scores of another precision: a term of the integer indices promoted them (NumPy makes
+        # float32 with int64 float64, where PyTorch and JAX keep float32), so a mod written for
+        # PyTorch's flex runs unchanged; back in the scores' dtype, as PyTorch computes it.
+        result = xp.astype(result, scores.dtype)
     return result if tuple(result.shape) == tile else xp.broadcast_to(result, tile)
 
 

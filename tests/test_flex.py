@@ -244,3 +244,30 @@ def test_a_mod_that_reads_the_head_is_evaluated_for_every_head_within_the_budget
     with attnx.memory_budget(2**19):
         attnx.create_block_mask(by_head, None, 4, 1000, 1000, block_size=128)
     assert all(4 * rows * cols * 8 <= 2**19 for rows, cols in tiles[1:])  # 4 heads' masks at 8 bytes an element
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch", "jax"])
+def test_a_mod_written_for_pytorch_s_flex_runs_unchanged_where_its_indices_promote_the_scores(library):
+    """ALiBi as PyTorch's documentation writes it, ``score + slopes[h] *
+    (kv_idx - q_idx)``: NumPy makes float32 times int64 float64, where
+    PyTorch and JAX keep float32.  It runs on every library, in float32, the
+    same function (issue 59); a mod returning integers is still refused."""
+    pytest.importorskip(library)
+    gen = np.random.default_rng(3)
+    q, k, v = (gen.standard_normal((1, 2, 5, 4)).astype(np.float32) for _ in range(3))
+    slopes = np.array([0.5, 0.25], dtype=np.float32)
+    arrays = [attnx.asarray(a, backend=library) for a in (q, k, v, slopes)]
+    table = arrays[3]
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + table[h] * (kv_idx - q_idx)
+
+    output = attnx.flex_attention(*arrays[:3], alibi)
+    assert attnx.to_numpy(output).dtype == np.float32
+    bias = slopes[:, None, None] * (np.arange(5)[None, None, :] - np.arange(5)[None, :, None])
+    scores = q.astype(np.float64) @ np.swapaxes(k, -1, -2) / 2 + bias
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = weights / weights.sum(-1, keepdims=True) @ v
+    np.testing.assert_allclose(attnx.to_numpy(output), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="own dtype float32, got int"):
+        attnx.flex_attention(*arrays[:3], lambda score, b, h, q_idx, kv_idx: q_idx - kv_idx)
