@@ -609,7 +609,9 @@ def flex_attention(
         If an input is not an array of a registered backend, the inputs come
         from two backends, or ``backend=`` does not own them.
         If the inputs are not of one real floating dtype, ``score_mod`` is
-        not callable, fails on a tile or returns scores of another dtype,
+        not callable, fails on a tile or returns scores that are not real
+        floats (real ones of another precision, which NumPy's promotion of
+        the integer indices makes, come back in the scores' dtype),
         ``block_mask`` is not a :class:`BlockMask` of the inputs' backend, or
         a flag is not ``True`` or ``False``.
     ValueError
