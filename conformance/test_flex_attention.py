@@ -503,4 +503,3 @@ def test_a_mod_made_for_another_call_is_refused(attnx_backend, case):
     query = attnx_backend.array(np.ones((B, H, N, D)), "float32")
     with pytest.raises(ValueError, match=message):
         call(attnx_backend, query)
-
