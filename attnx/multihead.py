@@ -606,6 +606,13 @@ def multi_head_attention_vjp(
     _checks.require_flag(operation, "return_weights", return_weights)
     if return_weights:
         raise ValueError(f"{operation}: return_weights=True has two outputs; differentiate the output alone")
+    # Refused before any computation, as every bad input is.
+    xp = _dispatch.resolve(operation, backend, ("query", "key", "value"), (query, key, value), 3)[0].xp
+    if mask is not None and _checks.is_float_dtype(xp, mask.dtype):
+        raise TypeError(
+            f"{operation}: the gradient of a real (additive) mask is not implemented yet; give a boolean mask "
+            f"(True attends), got dtype {_checks.dtype_label(mask.dtype)}"
+        )
     output = multi_head_attention(
         query,
         key,
@@ -620,12 +627,6 @@ def multi_head_attention_vjp(
         chunk_size=chunk_size,
         backend=backend,
     )
-    xp = _dispatch.resolve(operation, backend, ("query", "key", "value"), (query, key, value), 3)[0].xp
-    if mask is not None and _checks.is_float_dtype(xp, mask.dtype):
-        raise TypeError(
-            f"{operation}: the gradient of a real (additive) mask is not implemented yet; give a boolean mask "
-            f"(True attends), got dtype {_checks.dtype_label(mask.dtype)}"
-        )
     layout = check_multi_head(xp, query, key, value, params, num_heads, num_kv_heads)
     per_head = mask is not None and mask.ndim == len(_checks.leading_shape(query, key, value)) + 3
     q, k, v, heads_mask, heads_causal, extra = heads_in(
@@ -649,7 +650,8 @@ def multi_head_attention_vjp(
             d_concat = cotangent @ xp.matrix_transpose(params["w_o"])
         d_heads = _split_heads(xp, d_concat, h)  # (..., h, 1, n, d_v)
         d_heads = xp.reshape(d_heads, heads.shape)  # (..., h_kv, groups, n, d_v)
-        d_q, d_k, d_v_heads = (heads_backward(d_heads)[name] for name in ("query", "key", "value"))
+        heads_grads = heads_backward(d_heads)  # once: the tiled backward is the bulk of the work
+        d_q, d_k, d_v_heads = heads_grads["query"], heads_grads["key"], heads_grads["value"]
         d_q, d_k, d_v_heads = (
             _merge_heads(xp, a) for a in (xp.reshape(d_q, (*d_q.shape[:-4], h, 1, n, d_q.shape[-1])), d_k, d_v_heads)
         )
