@@ -608,7 +608,8 @@ def multi_head_attention_vjp(
         raise ValueError(f"{operation}: return_weights=True has two outputs; differentiate the output alone")
     # Refused before any computation, as every bad input is.
     xp = _dispatch.resolve(operation, backend, ("query", "key", "value"), (query, key, value), 3)[0].xp
-    if mask is not None and _checks.is_float_dtype(xp, mask.dtype):
+    # (A mask that is no array is left to the forward's own checks, which name it.)
+    if getattr(mask, "dtype", None) is not None and _checks.is_float_dtype(xp, mask.dtype):
         raise TypeError(
             f"{operation}: the gradient of a real (additive) mask is not implemented yet; give a boolean mask "
             f"(True attends), got dtype {_checks.dtype_label(mask.dtype)}"
