@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from attnx import _checks, _masking, blocks
+from attnx import _checks, _cotangents, _masking, blocks
 from attnx._config import user_memory_budget
 from attnx.backend import Backend
 
@@ -183,6 +183,7 @@ def attend_tiles(
     concurrent_blocks: int = 1,
     block_bytes: int = BLOCK_BYTES,
     scores_may_mask: bool = False,
+    with_stats: bool = False,
 ) -> Any:
     """Attention ``(*batch_shape, n, d_v)`` walked tile by tile with a running
     maximum and sum (Rabe and Staats 2021; the FlashAttention recurrence):
@@ -197,6 +198,10 @@ def attend_tiles(
     which may run them concurrently.  Inputs of half precision are computed
     in float32; the output has the query's dtype.  ``scores_may_mask``:
     ``tile_scores`` may give ``-inf`` scores (a ``score_mod``'s), which mask.
+    ``with_stats``: also each row's sum of weights and maximum score,
+    ``(*batch_shape, n, 2)`` in the accumulation dtype (``(0, -inf)`` where
+    a row attends nothing), from which :func:`backward_tiles` recomputes
+    each tile's weights without a walk of its own.
     """
     batch_shape = tuple(batch_shape)
     dtype = query.dtype
@@ -233,20 +238,97 @@ def attend_tiles(
             tile = blocks.pack(xp, weights @ v[..., c0:c1, :], row_max)
             state = tile if state is None else blocks.combine(state, tile, xp=xp)
         if state is None:  # no key to visit for these rows: nothing attended
-            return xp.zeros((*group_shape, rows[1] - rows[0], d_v), dtype=compute, device=device)
+            shape = (*group_shape, rows[1] - rows[0])
+            output = xp.zeros((*shape, d_v), dtype=compute, device=device)
+            if with_stats:
+                nothing = xp.zeros((*shape, 1), dtype=compute, device=device)
+                return output, xp.concat([nothing, nothing - float("inf")], axis=-1)
+            return output
         output = blocks.finish(state, xp=xp)
+        stats = state[..., -2:] if with_stats else None
         if tuple(output.shape[:-2]) != group_shape:  # leading dimensions only value had
             output = xp.broadcast_to(output, (*group_shape, *output.shape[-2:]))
-        return output
+            stats = None if stats is None else xp.broadcast_to(stats, (*group_shape, *stats.shape[-2:]))
+        return output if stats is None else (output, stats)
 
     items = [(index, r0) for index in range(len(groups)) for r0 in range(0, n, query_chunk)]
     run = map_blocks if map_blocks is not None else (lambda function, items: [function(item) for item in items])
-    outputs = run(attend, items)
+    results = run(attend, items)
     per_group = len(range(0, n, query_chunk))
-    rows_of = [outputs[i * per_group : (i + 1) * per_group] for i in range(len(groups))]
-    group_outputs = [rows[0] if len(rows) == 1 else xp.concat(rows, axis=-2) for rows in rows_of]
-    output = group_outputs[0] if len(group_outputs) == 1 else xp.concat(group_outputs, axis=0)
-    return xp.astype(output, dtype) if output.dtype != dtype else output
+
+    def joined(parts: list[Any]) -> Any:
+        rows_of = [parts[i * per_group : (i + 1) * per_group] for i in range(len(groups))]
+        return _joined(xp, [_joined(xp, rows, -2) for rows in rows_of], 0)
+
+    output = joined([result[0] for result in results] if with_stats else results)
+    output = xp.astype(output, dtype) if output.dtype != dtype else output
+    return (output, joined([result[1] for result in results])) if with_stats else output
+
+
+def attend_differentiable(
+    custom_vjp: Callable[..., Any],
+    xp: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    scale: Any,
+    plan: Callable[..., tuple[TilePlan, TileScores]],
+    masks: dict[str, Any],
+    real_mask: str | None = None,
+    **walk: Any,
+) -> Any:
+    """:func:`attend_tiles`, differentiated by :func:`backward_tiles` where
+    the backend has autograd (its :meth:`~attnx.Backend.custom_vjp`): the
+    tape then holds the inputs, the output and the rows' statistics, never
+    a tile.
+
+    ``masks`` are the arrays the tiles' masks are made of, by name (None
+    where absent), and ``plan(**masks)`` makes the tiles and their scores
+    from them: they travel as arguments, not in a closure, so that a tracer
+    (``jax.jit``) sees them as its inputs.  ``real_mask`` names the one
+    that is added to the scores, whose gradient is then the scores'; the
+    others get none.  ``scale`` gets its gradient where it is an array.
+    ``walk`` holds :func:`attend_tiles`' other keywords.
+    """
+    names = [name for name, array in masks.items() if array is not None]
+    scale_is_array = not isinstance(scale, int | float)
+    arrays = (query, key, value, *((scale,) if scale_is_array else ()), *(masks[name] for name in names))
+
+    def unpacked(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+        q, k, v, *rest = arrays
+        s = rest.pop(0) if scale_is_array else scale
+        given = dict(zip(names, rest, strict=True))
+        tiles, tile_scores = plan(**{name: given.get(name) for name in masks})
+        return q, k, v, s, given, {"tiles": tiles, "tile_scores": tile_scores, **walk}
+
+    def forward(*arrays: Any) -> tuple[Any, tuple[Any, ...]]:
+        q, k, v, s, _, options = unpacked(arrays)
+        output, stats = attend_tiles(xp, q, k, v, scale=s, with_stats=True, **options)
+        return output, (stats,)
+
+    def backward(arrays: tuple[Any, ...], output: Any, residuals: tuple[Any, ...], cotangent: Any) -> tuple[Any, ...]:
+        q, k, v, s, given, options = unpacked(arrays)
+        mask = given.get(real_mask) if real_mask is not None else None
+        d_query, d_key, d_value, d_scale, *d_mask = backward_tiles(
+            xp,
+            q,
+            k,
+            v,
+            output,
+            cotangent,
+            scale=s,
+            row_stats=residuals[0],
+            mask_shape=None if mask is None else tuple(mask.shape),
+            **options,
+        )
+        grads = [_cotangents.like(xp, d, a) for d, a in ((d_query, q), (d_key, k), (d_value, v))]
+        if scale_is_array:
+            grads.append(_cotangents.like(xp, d_scale, s))
+        grads += [_cotangents.like(xp, d_mask[0], mask) if name == real_mask else None for name in names]
+        return tuple(grads)
+
+    return custom_vjp(forward, backward, arrays)
 
 
 def backward_tiles(
@@ -268,12 +350,15 @@ def backward_tiles(
     block_bytes: int = BLOCK_BYTES,
     scores_may_mask: bool = False,
     mask_shape: tuple[int, ...] | None = None,
+    row_stats: Any = None,
 ) -> tuple[Any, ...]:
     """The gradients of :func:`attend_tiles`' output, walking the same tiles.
 
     The FlashAttention-2 backward, array API only: for each range of rows,
     a first walk over its tiles gives each row's maximum and sum, a second
-    recomputes each tile's weights ``P`` from them and adds the tile's part
+    recomputes each tile's weights ``P`` from them (or from ``row_stats``,
+    the forward's, :func:`attend_tiles`' ``with_stats``, without the first
+    walk) and adds the tile's part
     of every gradient (``dS = P * (dO V^T - rowsum(dO * O))``), so no tile
     outlives its step and the memory is that of the forward's blocks plus
     the gradients themselves.  Tiles ``tiles`` leaves out (the causal
@@ -341,10 +426,10 @@ def backward_tiles(
         of the group)."""
         index, starts = item
         span = groups[index]
-        arrays = (query, key, value, output, cotangent, shift_all)
+        arrays = (query, key, value, output, cotangent, shift_all, row_stats)
         if span is not None:
-            arrays = tuple(_masking.batch_block(a, ndim, 2, span) for a in arrays)
-        q, k, v, out, d_out, shift = arrays
+            arrays = tuple(None if a is None else _masking.batch_block(a, ndim, 2, span) for a in arrays)
+        q, k, v, out, d_out, shift, stats = arrays
         group_shape = batch_shape if span is None else (span[1] - span[0], *batch_shape[1:])
         q_scaled, key_t, value_t = q * scale, xp.matrix_transpose(k), xp.matrix_transpose(v)
         d_key = xp.zeros((*group_shape, m, d_k), dtype=compute, device=device)
@@ -355,9 +440,9 @@ def backward_tiles(
             rows = (r0, min(n, r0 + query_chunk))
             q_rows = q_scaled[..., rows[0] : rows[1], :]
             visits = list(tiles(span, rows))
-            # walk 1: each row's maximum and sum over every visited tile
-            state = None
-            for c0, c1, masked in visits:
+            # walk 1: each row's maximum and sum over every visited tile, unless the forward gave them
+            state = None if stats is None or not visits else stats[..., rows[0] : rows[1], :]
+            for c0, c1, masked in visits if stats is None else ():
                 scores, allowed, additive = tile_scores(q_rows @ key_t[..., c0:c1], span, rows, (c0, c1), masked)
                 weights, row_max = _masking.unnormalised_softmax(
                     xp, scores, allowed, additive, scores_may_mask=scores_may_mask

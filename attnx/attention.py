@@ -205,6 +205,7 @@ def scaled_dot_product_attention(
             "map_blocks": chosen.map_blocks,
             "concurrent_blocks": chosen.concurrent_blocks,
             "block_bytes": block_bytes,
+            "custom_vjp": chosen.custom_vjp,
         }
         if chunks is not None
         else None,
@@ -335,6 +336,7 @@ def sdpa_generic(
     map_blocks: Callable[..., list[Any]] | None = None,
     concurrent_blocks: int = 1,
     block_bytes: int = _tiling.BLOCK_BYTES,
+    custom_vjp: Callable[..., Any] | None = None,
 ) -> Any:
     """The generic algorithm, array API only (inputs already validated).
     ``chunk_size`` is the user's, for natives: ``chunks`` carries it here."""
@@ -357,6 +359,7 @@ def sdpa_generic(
             map_blocks=map_blocks,
             concurrent_blocks=concurrent_blocks,
             block_bytes=block_bytes,
+            custom_vjp=custom_vjp,
         )
     dtype = query.dtype
     compute, (query, key, value) = _checks.in_accumulation_dtype(xp, query, key, value)
@@ -537,9 +540,12 @@ def sdpa_chunked(
     map_blocks: Callable[..., list[Any]] | None = None,
     concurrent_blocks: int = 1,
     block_bytes: int = _tiling.BLOCK_BYTES,
+    custom_vjp: Callable[..., Any] | None = None,
 ) -> Any:
     """Memory-efficient attention (Rabe and Staats 2021; the FlashAttention
-    recurrence), array API only, walked by :func:`attnx._tiling.attend_tiles`.
+    recurrence), array API only, walked by :func:`attnx._tiling.attend_tiles`
+    (differentiated by its backward through ``custom_vjp``, the backend's
+    :meth:`~attnx.Backend.custom_vjp`, where given).
 
     Queries are processed ``query_chunk`` rows at a time and keys
     ``key_chunk`` columns at a time, so the extra memory is
@@ -551,30 +557,42 @@ def sdpa_chunked(
     if batch_shape is None:
         batch_shape = _checks.leading_shape(query, key, value)
     batch_shape = tuple(batch_shape)
-    tiles, tile_scores = sdpa_tile_plan(
-        xp,
-        query,
-        key,
-        mask=mask,
-        key_lengths=key_lengths,
-        is_causal=is_causal,
-        batch_shape=batch_shape,
-        key_chunk=key_chunk,
-    )
-    return _tiling.attend_tiles(
+
+    def plan(mask: Any, key_lengths: Any) -> tuple[_tiling.TilePlan, _tiling.TileScores]:
+        return sdpa_tile_plan(
+            xp,
+            query,
+            key,
+            mask=mask,
+            key_lengths=key_lengths,
+            is_causal=is_causal,
+            batch_shape=batch_shape,
+            key_chunk=key_chunk,
+        )
+
+    walk = {
+        "batch_shape": batch_shape,
+        "query_chunk": query_chunk,
+        "key_chunk": key_chunk,
+        "map_blocks": map_blocks,
+        "concurrent_blocks": concurrent_blocks,
+        "block_bytes": block_bytes,
+    }
+    if custom_vjp is None:
+        tiles, tile_scores = plan(mask, key_lengths)
+        return _tiling.attend_tiles(xp, query, key, value, scale=scale, tiles=tiles, tile_scores=tile_scores, **walk)
+    real_mask = "mask" if mask is not None and _checks.is_float_dtype(xp, mask.dtype) else None
+    return _tiling.attend_differentiable(
+        custom_vjp,
         xp,
         query,
         key,
         value,
         scale=scale,
-        batch_shape=batch_shape,
-        query_chunk=query_chunk,
-        key_chunk=key_chunk,
-        tiles=tiles,
-        tile_scores=tile_scores,
-        map_blocks=map_blocks,
-        concurrent_blocks=concurrent_blocks,
-        block_bytes=block_bytes,
+        plan=plan,
+        masks={"mask": mask, "key_lengths": key_lengths},
+        real_mask=real_mask,
+        **walk,
     )
 
 

@@ -215,6 +215,27 @@ class Backend:
         chunks = [function(array[..., start : min(start + size, n), :]) for start in range(0, max(n, 1), size)]
         return chunks[0] if len(chunks) == 1 else self.xp.concat(chunks, axis=-2)
 
+    def custom_vjp(
+        self,
+        forward: Callable[..., tuple[Any, tuple[Any, ...]]],
+        backward: Callable[[tuple[Any, ...], Any, tuple[Any, ...], Any], tuple[Any, ...]],
+        arrays: tuple[Any, ...],
+    ) -> Any:
+        """``forward(*arrays)``'s output, differentiated by ``backward``
+        where the library has autograd (``jax.custom_vjp``,
+        ``torch.autograd.Function``).
+
+        ``forward(*arrays)`` returns ``(output, residuals)``, a tuple of
+        arrays the backward needs beyond the inputs and the output (the
+        tiled attention's row statistics); ``backward(arrays, output,
+        residuals, cotangent)`` returns one cotangent per array, None for
+        one that has none (integers, booleans).  attnx's tiled algorithms
+        hand themselves to it, so that autograd keeps their inputs, output
+        and residuals instead of every tile's intermediates.  The default,
+        for libraries without autograd, returns ``forward(*arrays)[0]``.
+        """
+        return forward(*arrays)[0]
+
     def gradients(self, function: Callable[..., Any], arrays: list[Any]) -> list[Any]:
         """Gradients of ``sum(function(*arrays))`` with respect to each array.
 

@@ -908,20 +908,25 @@ def _flex_generic(
         def tiles(span: Any, rows: Any) -> Any:
             return block_mask.tiles(span or entries, rows, key_chunk)
 
-    output = _tiling.attend_tiles(
-        xp,
-        *grouped,
-        scale=scale,
-        batch_shape=batch_shape,
-        query_chunk=min(query_chunk, n),
-        key_chunk=key_chunk,
-        tiles=tiles,
-        tile_scores=tile_scores,
-        map_blocks=backend.map_blocks,
-        concurrent_blocks=backend.concurrent_blocks,
-        block_bytes=block_bytes,
-        scores_may_mask=score_mod is not None,
-    )
+    walk = {
+        "batch_shape": batch_shape,
+        "query_chunk": min(query_chunk, n),
+        "key_chunk": key_chunk,
+        "map_blocks": backend.map_blocks,
+        "concurrent_blocks": backend.concurrent_blocks,
+        "block_bytes": block_bytes,
+    }
+    if score_mod is None:
+        # Differentiated tile by tile (the autograd libraries keep no tile).
+        # A score_mod's tiles stay on the library's tape, whose gradients
+        # reach what the mod closes over (ALiBi's slopes, a bias table).
+        output = _tiling.attend_differentiable(
+            backend.custom_vjp, xp, *grouped, scale=scale, plan=lambda: (tiles, tile_scores), masks={}, **walk
+        )
+    else:
+        output = _tiling.attend_tiles(
+            xp, *grouped, scale=scale, tiles=tiles, tile_scores=tile_scores, scores_may_mask=True, **walk
+        )
     return xp.reshape(output, (batch, heads, n, d_v))
 
 

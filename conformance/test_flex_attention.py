@@ -503,3 +503,39 @@ def test_a_mod_made_for_another_call_is_refused(attnx_backend, case):
     query = attnx_backend.array(np.ones((B, H, N, D)), "float32")
     with pytest.raises(ValueError, match=message):
         call(attnx_backend, query)
+
+
+def test_a_block_masks_gradients_come_from_attnxs_tiled_backward(attnx_backend):
+    """Without a ``score_mod``, flex attention hands its tiles to the
+    backend's ``custom_vjp`` (a ``torch.autograd.Function`` on PyTorch):
+    the library's autograd runs attnx's tiled backward over the block
+    mask's empty (skipped), partial and full blocks, grouped heads and a
+    row that attends nothing, which must equal the chain rule."""
+    from attnx_conformance.test_gradients import check_cotangents
+
+    be = attnx_backend
+    dtype = be.dtype("float64")
+
+    def band(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx - 4) & (q_idx - kv_idx <= 9) & (q_idx != 3)
+
+    block_mask = _block_mask(be, band, None, None, N, M, block_size=(4, 5))
+    kinds = set(np.unique(be.numpy(block_mask.kinds)).tolist())
+    assert kinds == {0, 1, 2}, f"the case needs empty, partial and full blocks, got kinds {kinds}"
+    _, exact = _inputs(be, dtype)
+    gen = rng(95)
+    cotangent = rounded(gen.standard_normal((B, H, N, 3)), be, dtype)
+    grids = np.meshgrid(np.arange(B), np.arange(H), np.arange(N), np.arange(M), indexing="ij")
+    group = H // H_KV
+    query, key, value = exact
+    expected = reference.scaled_dot_product_attention_vjp(
+        query, np.repeat(key, group, axis=1), np.repeat(value, group, axis=1), cotangent, allowed=band(*grids)
+    )
+    per_head = [expected[name].reshape(B, H_KV, group, M, -1).sum(axis=2) for name in ("key", "value")]
+    check_cotangents(
+        be,
+        lambda q, k, v: attnx.flex_attention(q, k, v, None, block_mask, enable_gqa=True),
+        exact,
+        cotangent,
+        [expected["query"], *per_head],
+    )

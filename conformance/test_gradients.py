@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import attnx
-from attnx_conformance.helpers import rng, rounded, tolerances, under_budget
+from attnx_conformance import reference
+from attnx_conformance.helpers import assert_close, rng, rounded, tolerances, under_budget
 
 pytestmark = pytest.mark.attnx_operation("gradients")
 
@@ -171,3 +172,84 @@ def test_sdpa_gradients_equal_pytorchs_own(attnx_backend, path):
     torch.nn.functional.scaled_dot_product_attention(*leaves, attn_mask=torch.from_numpy(mask)).sum().backward()
     for g, leaf in zip(got, leaves):
         np.testing.assert_allclose(be.numpy(g), leaf.grad.numpy(), **tolerances(be, factor=10))
+
+
+def check_cotangents(be, function, arrays, cotangent, expected):
+    """The gradients the backend's autograd gives of ``function(*arrays)``
+    for ``cotangent`` (the sum of their product) equal ``expected`` (a list,
+    one an array; None: not compared)."""
+    if not be.backend.supports_autograd:
+        pytest.skip(f"{be.name} does not declare autograd")
+    dtype = be.dtype("float64")
+    cotangent = be.array(cotangent, dtype)
+    arrays = [be.array(a, dtype) for a in arrays]
+    got = be.backend.gradients(lambda *xs: function(*xs) * cotangent, arrays)
+    for grad, want, array in zip(got, expected, arrays):
+        if want is not None:
+            assert_close(grad, want, be, dtype, like=array, scale=4.0)
+
+
+TILED_CASES = [
+    # (name, n, m, key/value heads, is_causal, key lengths, real mask, chunks)
+    ("causal, more queries than keys (empty rows)", 9, 4, 3, True, None, False, (2, 3)),
+    ("causal, grouped heads, padding with an empty row", 7, 9, 1, True, [9, 0], False, (3, 4)),
+    ("a real mask with -inf, a 0-d scale", 5, 7, 3, False, None, True, (2, 3)),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "m", "kv_heads", "is_causal", "lengths", "real_mask", "chunks"),
+    TILED_CASES,
+    ids=[case[0] for case in TILED_CASES],
+)
+def test_tiled_attention_differentiates_by_its_own_backward(
+    attnx_backend, name, n, m, kv_heads, is_causal, lengths, real_mask, chunks
+):
+    """attnx's tiled SDPA hands itself to the backend's ``custom_vjp`` (a
+    ``torch.autograd.Function`` on PyTorch): the library's autograd then
+    runs attnx's tiled backward, which must equal the chain rule."""
+    from attnx.attention import sdpa_generic
+
+    be = attnx_backend
+    dtype = be.dtype("float64")
+    gen = rng(59, n, m)
+    shapes = ((2, 3, n, 4), (2, kv_heads, m, 4), (2, kv_heads, m, 5))
+    data = [rounded(gen.standard_normal(shape), be, dtype) for shape in shapes]
+    cotangent = rounded(gen.standard_normal((2, 3, n, 5)), be, dtype)
+    key_lengths = None if lengths is None else np.array(lengths)
+    additive = None
+    if real_mask:
+        additive = rounded(np.where(gen.random((n, m)) < 0.8, gen.standard_normal((n, m)), -np.inf), be, dtype)
+        additive[:, 0] = 0.0  # every row attends a key
+        data += [additive, np.asarray(0.6)]
+    allowed = reference.allowed_mask(
+        n, m, batch_shape=(2, 3), key_lengths=key_lengths, lengths_per="batch", is_causal=is_causal
+    )
+    if additive is not None:
+        allowed = allowed & np.isfinite(additive)
+    scale = 0.6 if real_mask else 0.5
+    expected = reference.scaled_dot_product_attention_vjp(
+        *data[:3],
+        cotangent,
+        allowed=allowed,
+        additive=None if additive is None else np.where(np.isfinite(additive), additive, 0.0),
+        scale=scale,
+    )
+
+    def attention(q, k, v, mask=None, scale_array=None):
+        return sdpa_generic(
+            be.xp,
+            query=q,
+            key=k,
+            value=v,
+            mask=mask,
+            key_lengths=None if key_lengths is None else be.array(key_lengths),
+            is_causal=is_causal,
+            scale=scale if scale_array is None else scale_array,
+            return_weights=False,
+            chunks=chunks,
+            custom_vjp=be.backend.custom_vjp,
+        )
+
+    names = ["query", "key", "value", "additive", "scale"][: len(data)]
+    check_cotangents(be, attention, data, cotangent, [expected[name] for name in names])
