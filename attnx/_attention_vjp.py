@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from attnx import _checks, _cotangents, _dispatch, _tiling
+from attnx import _checks, _cotangents, _dispatch, _dropout, _tiling
 from attnx.attention import (
     _SDPA,
     _SDPA_ARGS,
@@ -35,11 +35,17 @@ def scaled_dot_product_attention_vjp(
     scale: Any = None,
     return_weights: bool = False,
     chunk_size: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Any = None,
     backend: str | None = None,
 ) -> tuple[Any, Callable[[Any], dict[str, Any]]]:
     operation = f"vjp({_SDPA})"
     chosen, _ = _dispatch.resolve(
-        operation, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths, _checks.scale_array(scale)), 3
+        operation,
+        backend,
+        _SDPA_ARGS,
+        (query, key, value, mask, key_lengths, _checks.scale_array(scale), _dropout.seed_array(dropout_seed)),
+        3,
     )
     xp = chosen.xp
     _checks.require_flag(operation, "return_weights", return_weights)
@@ -57,9 +63,20 @@ def scaled_dot_product_attention_vjp(
         is_causal=is_causal,
         scale=scale,
         chunk_size=chunk_size,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
         backend=backend,
     )
     scale_value, batch_shape, n, m = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
+    # The forward's mask, made again tile by tile (the forward checked the arguments)
+    dropout = _dropout.make(
+        xp,
+        float(dropout_p),
+        dropout_seed,
+        batch_shape,
+        _checks.device_of(query),
+        _checks.accumulation_dtype(xp, query.dtype),
+    )
     block_bytes = chosen.block_bytes_on(_checks.device_of(query))
     if _checks.traced(query):
         block_bytes = max(block_bytes, _tiling.TRACED_BLOCK_BYTES)
@@ -96,6 +113,7 @@ def scaled_dot_product_attention_vjp(
             concurrent_blocks=chosen.concurrent_blocks,
             block_bytes=block_bytes,
             mask_shape=tuple(mask.shape) if real_mask else None,
+            dropout=dropout,
         )
         grads = {
             "query": _cotangents.like(xp, d_query, query),

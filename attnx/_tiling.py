@@ -18,6 +18,7 @@ from typing import Any
 
 from attnx import _checks, _cotangents, _masking, blocks
 from attnx._config import user_memory_budget
+from attnx._dropout import Dropout
 from attnx.backend import Backend
 
 Span = tuple[int, int]
@@ -184,6 +185,7 @@ def attend_tiles(
     block_bytes: int = BLOCK_BYTES,
     scores_may_mask: bool = False,
     with_stats: bool = False,
+    dropout: Dropout | None = None,
 ) -> Any:
     """Attention ``(*batch_shape, n, d_v)`` walked tile by tile with a running
     maximum and sum (Rabe and Staats 2021; the FlashAttention recurrence):
@@ -201,7 +203,9 @@ def attend_tiles(
     ``with_stats``: also each row's sum of weights and maximum score,
     ``(*batch_shape, n, 2)`` in the accumulation dtype (``(0, -inf)`` where
     a row attends nothing), from which :func:`backward_tiles` recomputes
-    each tile's weights without a walk of its own.
+    each tile's weights without a walk of its own.  ``dropout``: each
+    tile's weights are multiplied by its mask (:mod:`attnx._dropout`) after
+    their sum is taken.
     """
     batch_shape = tuple(batch_shape)
     dtype = query.dtype
@@ -235,7 +239,11 @@ def attend_tiles(
             weights, row_max = _masking.unnormalised_softmax(
                 xp, scores, allowed, additive, scores_may_mask=scores_may_mask
             )
-            tile = blocks.pack(xp, weights @ v[..., c0:c1, :], row_max)
+            if dropout is None:
+                tile = blocks.pack(xp, weights @ v[..., c0:c1, :], row_max)
+            else:  # the row's sum is of every weight, the values' of those kept
+                kept = (weights * dropout.tile(span, rows, (c0, c1))) @ v[..., c0:c1, :]
+                tile = blocks.pack(xp, kept[..., :-1], xp.sum(weights, axis=-1, keepdims=True), row_max)
             state = tile if state is None else blocks.combine(state, tile, xp=xp)
         if state is None:  # no key to visit for these rows: nothing attended
             shape = (*group_shape, rows[1] - rows[0])
@@ -276,6 +284,7 @@ def attend_differentiable(
     plan: Callable[..., tuple[TilePlan, TileScores]],
     masks: dict[str, Any],
     real_mask: str | None = None,
+    dropout: Dropout | None = None,
     **walk: Any,
 ) -> Any:
     """:func:`attend_tiles`, differentiated by :func:`backward_tiles` where
@@ -300,7 +309,7 @@ def attend_differentiable(
         s = rest.pop(0) if scale_is_array else scale
         given = dict(zip(names, rest, strict=True))
         tiles, tile_scores = plan(**{name: given.get(name) for name in masks})
-        return q, k, v, s, given, {"tiles": tiles, "tile_scores": tile_scores, **walk}
+        return q, k, v, s, given, {"tiles": tiles, "tile_scores": tile_scores, "dropout": dropout, **walk}
 
     def forward(*arrays: Any) -> tuple[Any, tuple[Any, ...]]:
         q, k, v, s, _, options = unpacked(arrays)
@@ -351,6 +360,7 @@ def backward_tiles(
     scores_may_mask: bool = False,
     mask_shape: tuple[int, ...] | None = None,
     row_stats: Any = None,
+    dropout: Dropout | None = None,
 ) -> tuple[Any, ...]:
     """The gradients of :func:`attend_tiles`' output, walking the same tiles.
 
@@ -465,8 +475,14 @@ def backward_tiles(
                 # the masks applied as in the forward, shifted by the whole row's maximum
                 weights, _ = _masking.unnormalised_softmax(xp, scores, allowed, additive, running_max=row_max)
                 probabilities = weights / total  # 0 where masked or nothing attended
-                value_parts.append((c0, c1, xp.matrix_transpose(probabilities) @ d_out_rows))
-                d_scores = probabilities * (d_out_rows @ value_t[..., c0:c1] - shift_rows)
+                d_weights = d_out_rows @ value_t[..., c0:c1]
+                if dropout is None:
+                    value_parts.append((c0, c1, xp.matrix_transpose(probabilities) @ d_out_rows))
+                else:  # the forward's mask, made again: O = (P * Z) V
+                    kept = dropout.tile(span, rows, (c0, c1))
+                    value_parts.append((c0, c1, xp.matrix_transpose(probabilities * kept) @ d_out_rows))
+                    d_weights = d_weights * kept
+                d_scores = probabilities * (d_weights - shift_rows)
                 if aligned is not None:
                     score_parts.append((c0, c1, d_scores))
                 part = d_scores @ k[..., c0:c1, :]

@@ -6,14 +6,14 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from attnx import _checks, _dispatch, _masking, _plans, _tiling, _tracing
+from attnx import _checks, _dispatch, _dropout, _masking, _plans, _tiling, _tracing
 from attnx._tiling import KEY_CHUNK, MIN_ROWS
 from attnx._typing import Array
 
 __all__ = ["masked_softmax", "scaled_dot_product_attention"]
 
 _SDPA = "scaled_dot_product_attention"
-_SDPA_ARGS = ("query", "key", "value", "mask", "key_lengths", "scale")
+_SDPA_ARGS = ("query", "key", "value", "mask", "key_lengths", "scale", "dropout_seed")
 
 
 def scaled_dot_product_attention(
@@ -27,6 +27,8 @@ def scaled_dot_product_attention(
     scale: float | Array | None = None,
     return_weights: bool = False,
     chunk_size: int | tuple[int, int] | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | Array | None = None,
     backend: str | None = None,
 ) -> Array:
     r"""Scaled dot-product attention, :math:`\mathrm{softmax}(q k^T s + M) v`.
@@ -67,6 +69,15 @@ def scaled_dot_product_attention(
         never materialises the weights, so it can't be combined with
         ``return_weights=True``.  A backend's native implementation may cut
         the work its own way, within the same budget.
+    dropout_p : float
+        Drop each weight with this probability, and scale those kept by
+        ``1 / (1 - dropout_p)`` (PyTorch's ``dropout_p``); 0 by default,
+        which costs nothing.
+    dropout_seed : int or 0-d integer array, optional
+        Required with ``dropout_p > 0``: the mask is a hash of the seed and
+        each weight's position (leading indices, query, key), the same on
+        every backend and device; a 0-d array may be traced.  Give each
+        step of training its own seed.
     backend : str, optional
         Run on this backend; by default the one that owns the inputs.
 
@@ -75,7 +86,7 @@ def scaled_dot_product_attention(
     output : array, shape (..., n, d_v)
         Same array type, dtype and device as ``query``.
     weights : array, shape (..., n, m)
-        Only with ``return_weights=True``.
+        Only with ``return_weights=True``; after dropout, where asked.
 
     Raises
     ------
@@ -84,13 +95,16 @@ def scaled_dot_product_attention(
         from two backends, or ``backend=`` does not own them.
         If ``query``, ``key`` and ``value`` are not of one real floating dtype,
         ``mask`` is neither boolean nor real floating, ``key_lengths`` is not
-        integer, a flag is not ``True`` or ``False``, or ``scale`` is not a
-        real number.
+        integer, a flag is not ``True`` or ``False``, ``scale`` is not a
+        real number, ``dropout_p`` is not a float, or ``dropout_seed`` is
+        not an int or a 0-d integer array of the inputs' backend.
     ValueError
         If an input has fewer than 2 dimensions, ``d_k`` or ``m`` disagree,
         the leading shapes do not broadcast, ``mask`` does not broadcast to
         ``(..., n, m)``, ``key_lengths`` has another shape, or ``chunk_size``
-        is not positive or is combined with ``return_weights=True``; and, on
+        is not positive or is combined with ``return_weights=True``,
+        ``dropout_p`` lies outside ``[0, 1]`` or comes without a
+        ``dropout_seed``; and, on
         arrays whose values can be read (not traced, not lazy), if a
         ``key_lengths`` entry lies outside ``[0, m]``, a real mask holds
         ``+inf`` or NaN, or ``scale`` is not finite in the scores' dtype.
@@ -104,7 +118,10 @@ def scaled_dot_product_attention(
     -----
     All masks combine.  A query with no key left to attend gets zeros as
     output and as weights, never NaN.  Half-precision inputs are computed
-    in float32 and returned in their own dtype.
+    in float32 and returned in their own dtype.  With dropout, attnx's
+    generic algorithm runs (natives' kernels draw their masks their own
+    way), and its backward (:func:`attnx.vjp`, PyTorch's autograd through
+    tiles) makes the mask again rather than keeping it.
 
     Examples
     --------
@@ -131,6 +148,18 @@ def scaled_dot_product_attention(
     >>> print(np.abs(out[1, :, :2]).max())
     0.0
 
+    Dropout takes a seed; the same seed drops the same weights on every
+    backend:
+
+    >>> _, dropped = attnx.scaled_dot_product_attention(
+    ...     q, k, v, return_weights=True, dropout_p=0.5, dropout_seed=1)
+    >>> print(dropped[0, 0].round(2))
+    [[0.   0.   0.  ]
+     [0.   0.   0.  ]
+     [0.   0.   0.65]
+     [0.   0.   0.  ]
+     [0.44 0.46 1.1 ]]
+
     Bad input is refused before any work, naming the argument:
 
     >>> attnx.scaled_dot_product_attention(q, k[..., :4], v)
@@ -144,6 +173,7 @@ def scaled_dot_product_attention(
         and mask is None
         and key_lengths is None
         and chunk_size is None
+        and not dropout_p
         and (scale is None or type(scale) is float)
         and type(is_causal) is bool
         and type(return_weights) is bool
@@ -154,9 +184,15 @@ def scaled_dot_product_attention(
         if plan is not None:  # this signature was validated before: see attnx._plans
             return plan(query, key, value)
     chosen, reason = _dispatch.resolve(
-        _SDPA, backend, _SDPA_ARGS, (query, key, value, mask, key_lengths, _checks.scale_array(scale)), 3
+        _SDPA,
+        backend,
+        _SDPA_ARGS,
+        (query, key, value, mask, key_lengths, _checks.scale_array(scale), _dropout.seed_array(dropout_seed)),
+        3,
     )
     xp = chosen.xp
+    if dropout_p or dropout_seed is not None:
+        dropout_p = _dropout.require_dropout(_SDPA, xp, dropout_p, dropout_seed, chosen.owns)
     if is_causal is not False or return_weights is not False:  # the common call skips the checks
         _checks.require_flag(_SDPA, "is_causal", is_causal)
         _checks.require_flag(_SDPA, "return_weights", return_weights)
@@ -195,6 +231,13 @@ def scaled_dot_product_attention(
         plan = _plans.make(_SDPA, signature, chosen, reason, arguments)
         if plan is not None:
             return plan(query, key, value)
+    if dropout_p:
+        device, compute = _checks.device_of(query), _checks.accumulation_dtype(xp, query.dtype)
+        dropout = _dropout.make(xp, dropout_p, dropout_seed, batch_shape, device, compute)
+        _dispatch.log_choice(_SDPA, chosen.name, reason, "generic, for dropout")
+        options = {"map_blocks": chosen.map_blocks, "concurrent_blocks": chosen.concurrent_blocks}
+        options.update(block_bytes=block_bytes, custom_vjp=chosen.custom_vjp)
+        return sdpa_generic(xp, **arguments, **(options if chunks is not None else {}), dropout=dropout)
     return _dispatch.call(
         _SDPA,
         chosen,
@@ -337,6 +380,7 @@ def sdpa_generic(
     concurrent_blocks: int = 1,
     block_bytes: int = _tiling.BLOCK_BYTES,
     custom_vjp: Callable[..., Any] | None = None,
+    dropout: _dropout.Dropout | None = None,
 ) -> Any:
     """The generic algorithm, array API only (inputs already validated).
     ``chunk_size`` is the user's, for natives: ``chunks`` carries it here."""
@@ -360,6 +404,7 @@ def sdpa_generic(
             concurrent_blocks=concurrent_blocks,
             block_bytes=block_bytes,
             custom_vjp=custom_vjp,
+            dropout=dropout,
         )
     dtype = query.dtype
     compute, (query, key, value) = _checks.in_accumulation_dtype(xp, query, key, value)
@@ -379,14 +424,17 @@ def sdpa_generic(
             device=_checks.device_of(query),
         )
     scores = (query * scale) @ xp.matrix_transpose(key)
+    kept = None if dropout is None else dropout.tile(None, (0, n), (0, m))
     if return_weights:
         weights = _masking.softmax(xp, scores, allowed, additive)
+        weights = weights if kept is None else weights * kept
         output = weights @ value
     else:
         # Normalise the (n, d_v) output rather than the (n, m) weights.
         exp_scores, _ = _masking.unnormalised_softmax(xp, scores, allowed, additive)
         masked = allowed is not None or additive is not None
-        output = (exp_scores @ value) / _masking.safe_total(xp, exp_scores, masked)
+        total = _masking.safe_total(xp, exp_scores, masked)
+        output = ((exp_scores if kept is None else exp_scores * kept) @ value) / total
         weights = None
     if compute != dtype:
         output = xp.astype(output, dtype)
@@ -541,6 +589,7 @@ def sdpa_chunked(
     concurrent_blocks: int = 1,
     block_bytes: int = _tiling.BLOCK_BYTES,
     custom_vjp: Callable[..., Any] | None = None,
+    dropout: _dropout.Dropout | None = None,
 ) -> Any:
     """Memory-efficient attention (Rabe and Staats 2021; the FlashAttention
     recurrence), array API only, walked by :func:`attnx._tiling.attend_tiles`
@@ -577,6 +626,7 @@ def sdpa_chunked(
         "map_blocks": map_blocks,
         "concurrent_blocks": concurrent_blocks,
         "block_bytes": block_bytes,
+        "dropout": dropout,
     }
     if custom_vjp is None:
         tiles, tile_scores = plan(mask, key_lengths)

@@ -31,9 +31,9 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
-from attnx import _checks, _dispatch, _masking, _tiling, _tracing
+from attnx import _checks, _dispatch, _dropout, _masking, _tiling, _tracing
 from attnx._typing import Array, Device
 from attnx.attention import choose_chunks
 
@@ -569,6 +569,8 @@ def flex_attention(
     scale: float | Array | None = None,
     enable_gqa: bool = False,
     return_weights: bool = False,
+    dropout_p: float = 0.0,
+    dropout_seed: int | Array | None = None,
     backend: str | None = None,
 ) -> Array:
     r"""Attention with programmable scores and masks:
@@ -593,7 +595,15 @@ def flex_attention(
         key/value heads, query head ``h`` using ``h // (H // H_kv)``.
     return_weights : bool
         Also return the weights ``(B, H, n, m)`` (computed whole, without
-        skipping).
+        skipping; after dropout, where asked).
+    dropout_p : float
+        Drop each weight with this probability, scaling those kept by
+        ``1 / (1 - dropout_p)``; 0 by default, which costs nothing.
+    dropout_seed : int or 0-d integer array, optional
+        Required with ``dropout_p > 0``: the mask is a hash of the seed and
+        each weight's ``(b, h, q_idx, kv_idx)``, the same on every backend
+        and device and as :func:`scaled_dot_product_attention`'s on
+        ``(B, H, n, d)`` inputs.
     backend : str, optional
         Run on this backend; by default the one that owns the inputs.
 
@@ -612,14 +622,17 @@ def flex_attention(
         not callable, fails on a tile or returns scores that are not real
         floats (real ones of another precision, which NumPy's promotion of
         the integer indices makes, come back in the scores' dtype),
-        ``block_mask`` is not a :class:`BlockMask` of the inputs' backend, or
-        a flag is not ``True`` or ``False``.
+        ``block_mask`` is not a :class:`BlockMask` of the inputs' backend,
+        a flag is not ``True`` or ``False``, or ``dropout_p`` or
+        ``dropout_seed`` is of another type than a float and an int or 0-d
+        integer array.
     ValueError
         If an input is not 4-dimensional, the sizes disagree (``d``, ``m``,
         ``H`` not a multiple of ``H_kv`` with ``enable_gqa``), ``block_mask``
         was made for other sizes or for ``B=None`` (``H=None``) with a
         ``mask_mod`` that reads ``b`` (``h``), a mod of :mod:`attnx.mods` was
-        made for other sizes, or ``scale`` is not finite.
+        made for other sizes, ``scale`` is not finite, or ``dropout_p`` lies
+        outside ``[0, 1]`` or comes without a ``dropout_seed``.
         If ``backend=`` names no registered backend, or the inputs lie on
         two different devices.
     BackendUnavailableError
@@ -659,15 +672,57 @@ def flex_attention(
     >>> bool(np.allclose(out, weights / weights.sum(-1, keepdims=True) @ v, atol=1e-5))
     True
     """
-    operation = _FLEX
+    chosen, reason, arguments, dropout = validated_call(
+        _FLEX,
+        query,
+        key,
+        value,
+        score_mod,
+        block_mask,
+        scale,
+        enable_gqa,
+        return_weights,
+        dropout_p,
+        dropout_seed,
+        backend,
+    )
+    if dropout is not None:  # natives' kernels draw their masks their own way
+        _dispatch.log_choice(_FLEX, chosen.name, reason, "generic, for dropout")
+        return _flex_generic(chosen.xp, **arguments, backend=chosen, dropout=dropout)
+    return _dispatch.call(_FLEX, chosen, reason, _flex_generic, arguments, {"backend": chosen})
+
+
+def validated_call(
+    operation: str,
+    query: Any,
+    key: Any,
+    value: Any,
+    score_mod: Any,
+    block_mask: Any,
+    scale: Any,
+    enable_gqa: Any,
+    return_weights: Any,
+    dropout_p: Any,
+    dropout_seed: Any,
+    backend: str | None,
+) -> tuple[Any, str, dict[str, Any], _dropout.Dropout | None]:
+    """:func:`flex_attention`'s checks, all before any work: the backend,
+    why, the generic algorithm's (and natives') keyword arguments, and the
+    call's dropout (None without)."""
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise TypeError(
             f"{operation}: block_mask must be a BlockMask from attnx.create_block_mask, got {type(block_mask).__name__}"
         )
     chosen, reason = _dispatch.resolve(
-        operation, backend, ("query", "key", "value", "scale"), (query, key, value, _checks.scale_array(scale)), 3
+        operation,
+        backend,
+        ("query", "key", "value", "scale", "dropout_seed"),
+        (query, key, value, _checks.scale_array(scale), _dropout.seed_array(dropout_seed)),
+        3,
     )
     xp = chosen.xp
+    if dropout_p or dropout_seed is not None:
+        dropout_p = _dropout.require_dropout(operation, xp, dropout_p, dropout_seed, chosen.owns)
     if block_mask is not None and not chosen.owns(block_mask.kinds):
         raise TypeError(
             f"{operation}: block_mask was created on the {block_mask.backend!r} backend but the inputs are "
@@ -690,23 +745,21 @@ def flex_attention(
             _require_broadcast_mod(operation, chosen, block_mask, batch, heads, n, m, _checks.device_of(query))
     if score_mod is not None and n and m:
         _probe_score_mod(operation, chosen, score_mod, batch, heads, n, m, query)
-    return _dispatch.call(
-        operation,
-        chosen,
-        reason,
-        _flex_generic,
-        {
-            "query": query,
-            "key": key,
-            "value": value,
-            "score_mod": score_mod,
-            "block_mask": block_mask,
-            "scale": scale,
-            "enable_gqa": enable_gqa,
-            "return_weights": return_weights,
-        },
-        {"backend": chosen},
-    )
+    arguments = {
+        "query": query,
+        "key": key,
+        "value": value,
+        "score_mod": score_mod,
+        "block_mask": block_mask,
+        "scale": scale,
+        "enable_gqa": enable_gqa,
+        "return_weights": return_weights,
+    }
+    dropout = None
+    if dropout_p:
+        compute = _checks.accumulation_dtype(xp, query.dtype)
+        dropout = _dropout.make(xp, dropout_p, dropout_seed, (batch, heads), _checks.device_of(query), compute)
+    return chosen, reason, arguments, dropout
 
 
 def _check_flex_inputs(
@@ -812,7 +865,22 @@ def _require_broadcast_mod(
     block_mask._broadcast_checked.add((batch, heads))
 
 
-def _flex_generic(
+class FlexTiles(NamedTuple):
+    """A flex attention call's tiled walk (:func:`flex_tiles`): its heads
+    grouped ``(B, H_kv, G, ...)`` as ``query``, ``key`` and ``value``, the
+    tiles and their scores, and :func:`attnx._tiling.attend_tiles`' other
+    keywords in ``walk``; ``shape`` is the output's, ``(B, H, n, d_v)``."""
+
+    query: Any
+    key: Any
+    value: Any
+    tiles: _tiling.TilePlan
+    tile_scores: _tiling.TileScores
+    walk: dict[str, Any]
+    shape: tuple[int, int, int, int]
+
+
+def flex_tiles(
     xp: Any,
     *,
     query: Any,
@@ -820,30 +888,28 @@ def _flex_generic(
     value: Any,
     score_mod: ScoreMod | None,
     block_mask: BlockMask | None,
-    scale: Any,
-    enable_gqa: bool,
-    return_weights: bool,
     backend: Any,
-) -> Any:
-    """The generic algorithm, array API only (inputs already validated): the
-    heads grouped as ``(B, H_kv, G, n, d)`` so that G query heads share one
-    key/value head without copies, walked by :func:`attnx._tiling.attend_tiles`."""
+    dropout: _dropout.Dropout | None = None,
+) -> FlexTiles | None:
+    """The tiled walk of a validated call, the one plan of the forward and
+    of its backward (:mod:`attnx._flex_vjp`); None where there is nothing to
+    compute (an axis of size 0)."""
     batch_size, heads, n, d = query.shape
     kv_heads, m, d_v = key.shape[1], key.shape[2], value.shape[3]
     group = heads // kv_heads
     # Broadcast, not the largest: a batch of 0 against key/value's 1 is 0.
     batch = _checks.broadcast(_FLEX, {"query": (batch_size,), "key": key.shape[:1], "value": value.shape[:1]})[0]
+    if 0 in (batch, heads, n, m):  # nothing to compute (a reduction over nothing is undefined: Dask's fails)
+        return None
     device, dtype = _checks.device_of(query), query.dtype
     block_bytes = backend.block_bytes_on(device)
-    if 0 in (batch, heads, n, m):  # nothing to compute (a reduction over nothing is undefined: Dask's fails)
-        output = xp.zeros((batch, heads, n, d_v), dtype=dtype, device=device)
-        return (output, xp.zeros((batch, heads, n, m), dtype=dtype, device=device)) if return_weights else output
     grouped = (
         xp.reshape(query, (batch_size, kv_heads, group, n, d)),
         xp.reshape(key, (key.shape[0], kv_heads, 1, m, d)),
         xp.reshape(value, (value.shape[0], kv_heads, 1, m, d_v)),
     )
     batch_shape = (batch, kv_heads, group)
+    dropout = None if dropout is None else dropout.regrouped(batch_shape)
 
     def tile_scores(scores: Any, span: Any, rows: Any, cols: Any, masked: bool) -> tuple[Any, Any, Any]:
         entries = span or (0, batch)
@@ -854,22 +920,11 @@ def _flex_generic(
             flat = xp.reshape(scores, (grouped_shape[0], heads, *grouped_shape[3:]))
             scores = xp.reshape(call_score_mod(_FLEX, backend, score_mod, flat, entries, rows, cols), grouped_shape)
         allowed = None
-        if masked:
+        if masked and block_mask is not None:
             allowed = call_mask_mod(_FLEX, backend, block_mask.mask_mod, entries, heads, rows, cols, device)
             allowed = _grouped(xp, allowed, kv_heads, group)
         return scores, allowed, None
 
-    if return_weights:
-        compute, (q, k, v) = _checks.in_accumulation_dtype(xp, *grouped)
-        scores, allowed, _ = tile_scores(
-            (q * scale) @ xp.matrix_transpose(k), None, (0, n), (0, m), block_mask is not None
-        )
-        weights = _masking.softmax(xp, scores, allowed, scores_may_mask=score_mod is not None)
-        output = xp.reshape(weights @ v, (batch, heads, n, d_v))
-        weights = xp.reshape(xp.broadcast_to(weights, (*batch_shape, n, m)), (batch, heads, n, m))
-        if compute != dtype:
-            output, weights = xp.astype(output, dtype), xp.astype(weights, dtype)
-        return output, weights
     if block_mask is None or block_mask._plan is None:
         chunks = choose_chunks(xp, dtype, n, m, batch_shape, None, False, False, backend.concurrent_blocks, block_bytes)
         query_chunk, key_chunk = chunks if chunks is not None else (n, m)
@@ -915,19 +970,95 @@ def _flex_generic(
         "map_blocks": backend.map_blocks,
         "concurrent_blocks": backend.concurrent_blocks,
         "block_bytes": block_bytes,
+        "dropout": dropout,
     }
+    return FlexTiles(*grouped, tiles, tile_scores, walk, (batch, heads, n, d_v))
+
+
+def _flex_generic(
+    xp: Any,
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    score_mod: ScoreMod | None,
+    block_mask: BlockMask | None,
+    scale: Any,
+    enable_gqa: bool,
+    return_weights: bool,
+    backend: Any,
+    dropout: _dropout.Dropout | None = None,
+) -> Any:
+    """The generic algorithm, array API only (inputs already validated): the
+    heads grouped as ``(B, H_kv, G, n, d)`` so that G query heads share one
+    key/value head without copies, walked by :func:`attnx._tiling.attend_tiles`."""
+    plan = flex_tiles(
+        xp,
+        query=query,
+        key=key,
+        value=value,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        backend=backend,
+        dropout=dropout,
+    )
+    if plan is None:
+        shape = _empty_shape(query, key, value)
+        output = xp.zeros(shape, dtype=query.dtype, device=_checks.device_of(query))
+        if not return_weights:
+            return output
+        weights = xp.zeros((*shape[:3], key.shape[2]), dtype=query.dtype, device=_checks.device_of(query))
+        return output, weights
+    if return_weights:
+        return _flex_weights(xp, plan, scale)
     if score_mod is None:
         # Differentiated tile by tile (the autograd libraries keep no tile).
         # A score_mod's tiles stay on the library's tape, whose gradients
         # reach what the mod closes over (ALiBi's slopes, a bias table).
         output = _tiling.attend_differentiable(
-            backend.custom_vjp, xp, *grouped, scale=scale, plan=lambda: (tiles, tile_scores), masks={}, **walk
+            backend.custom_vjp,
+            xp,
+            plan.query,
+            plan.key,
+            plan.value,
+            scale=scale,
+            plan=lambda: (plan.tiles, plan.tile_scores),
+            masks={},
+            **plan.walk,
         )
     else:
         output = _tiling.attend_tiles(
-            xp, *grouped, scale=scale, tiles=tiles, tile_scores=tile_scores, scores_may_mask=True, **walk
+            xp,
+            plan.query,
+            plan.key,
+            plan.value,
+            scale=scale,
+            tiles=plan.tiles,
+            tile_scores=plan.tile_scores,
+            scores_may_mask=True,
+            **plan.walk,
         )
-    return xp.reshape(output, (batch, heads, n, d_v))
+    return xp.reshape(output, plan.shape)
+
+
+def _empty_shape(query: Any, key: Any, value: Any) -> tuple[int, int, int, int]:
+    batch = _checks.broadcast(_FLEX, {"query": query.shape[:1], "key": key.shape[:1], "value": value.shape[:1]})[0]
+    return (batch, query.shape[1], query.shape[2], value.shape[3])
+
+
+def _flex_weights(xp: Any, plan: FlexTiles, scale: Any) -> tuple[Any, Any]:
+    """The output and the whole weights ``(B, H, n, m)``, computed in one tile."""
+    batch, heads, n, d_v = plan.shape
+    m, dtype, dropout = plan.key.shape[-2], plan.query.dtype, plan.walk["dropout"]
+    compute, (q, k, v) = _checks.in_accumulation_dtype(xp, plan.query, plan.key, plan.value)
+    scores, allowed, _ = plan.tile_scores((q * scale) @ xp.matrix_transpose(k), None, (0, n), (0, m), True)
+    weights = _masking.softmax(xp, scores, allowed, scores_may_mask=True)
+    weights = weights if dropout is None else weights * dropout.tile(None, (0, n), (0, m))
+    output = xp.reshape(weights @ v, (batch, heads, n, d_v))
+    weights = xp.reshape(xp.broadcast_to(weights, (*plan.walk["batch_shape"], n, m)), (batch, heads, n, m))
+    if compute != dtype:
+        output, weights = xp.astype(output, dtype), xp.astype(weights, dtype)
+    return output, weights
 
 
 def _grouped(xp: Any, array: Any, kv_heads: int, group: int) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from attnx import _checks, _cotangents, _dispatch, _masking, _params
+from attnx import _checks, _cotangents, _dispatch, _dropout, _masking, _params
 from attnx._attention_vjp import scaled_dot_product_attention_vjp
 from attnx._typing import Array, Device, DType
 from attnx.attention import scaled_dot_product_attention
@@ -34,6 +34,8 @@ def multi_head_attention(
     average_weights: bool = True,
     add_zero_attn: bool = False,
     chunk_size: int | tuple[int, int] | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | Array | None = None,
     backend: str | None = None,
 ) -> Array:
     """Multi-head attention (Vaswani et al. 2017), with grouped-query heads.
@@ -85,6 +87,10 @@ def multi_head_attention(
     chunk_size :
         As in :func:`attnx.scaled_dot_product_attention` (memory-efficient
         attention; chosen automatically over the memory budget).
+    dropout_p, dropout_seed :
+        Dropout on the heads' weights, as in
+        :func:`attnx.scaled_dot_product_attention` (PyTorch's ``dropout``;
+        the returned weights are those after dropout, as PyTorch's are).
 
     Returns
     -------
@@ -103,8 +109,9 @@ def multi_head_attention(
         If ``params`` lacks ``w_q``, ``w_k`` or ``w_v`` or holds one of another
         shape, ``num_heads`` does not divide the projections' width,
         ``num_kv_heads`` does not divide ``num_heads``, the inputs' feature
-        sizes disagree with the weights, or a mask or ``key_lengths`` has
-        another shape (as in :func:`scaled_dot_product_attention`).
+        sizes disagree with the weights, a mask or ``key_lengths`` has
+        another shape, or ``dropout_p`` lies outside ``[0, 1]`` or comes
+        without a ``dropout_seed`` (as in :func:`scaled_dot_product_attention`).
         If ``backend=`` names no registered backend, or the inputs lie on
         two different devices.
     BackendUnavailableError
@@ -133,8 +140,11 @@ def multi_head_attention(
         else (query,)
     )
     names = ("query", "key", "value", "mask", "key_lengths", *(f"params[{p!r}]" for p in entries))
+    names, arrays = (*names, "dropout_seed"), (*arrays, _dropout.seed_array(dropout_seed))
     chosen, reason = _dispatch.resolve(_MHA, backend, names, arrays, 3)
     xp = chosen.xp
+    if dropout_p or dropout_seed is not None:
+        dropout_p = _dropout.require_dropout(_MHA, xp, dropout_p, dropout_seed, chosen.owns)
     for flag, setting in (
         ("is_causal", is_causal),
         ("return_weights", return_weights),
@@ -150,27 +160,25 @@ def multi_head_attention(
     _masking.check_masks(
         _MHA, xp, mask, key_lengths, batch_shape, n, m, scores_dtype=query.dtype, mask_batch_shape=mask_batch_shape
     )
-    return _dispatch.call(
-        _MHA,
-        chosen,
-        reason,
-        _multi_head_generic,
-        {
-            "query": query,
-            "key": key,
-            "value": value,
-            "params": params,
-            "layout": layout,
-            "mask": mask,
-            "mask_per_head": per_head,
-            "key_lengths": key_lengths,
-            "is_causal": is_causal,
-            "return_weights": return_weights,
-            "average_weights": average_weights,
-            "add_zero_attn": add_zero_attn,
-            "chunk_size": chunk_size,
-        },
-    )
+    arguments = {
+        "query": query,
+        "key": key,
+        "value": value,
+        "params": params,
+        "layout": layout,
+        "mask": mask,
+        "mask_per_head": per_head,
+        "key_lengths": key_lengths,
+        "is_causal": is_causal,
+        "return_weights": return_weights,
+        "average_weights": average_weights,
+        "add_zero_attn": add_zero_attn,
+        "chunk_size": chunk_size,
+    }
+    if dropout_p:  # natives' kernels draw their masks their own way
+        _dispatch.log_choice(_MHA, chosen.name, reason, "generic, for dropout")
+        return _multi_head_generic(xp, **arguments, dropout_p=dropout_p, dropout_seed=dropout_seed)
+    return _dispatch.call(_MHA, chosen, reason, _multi_head_generic, arguments)
 
 
 def check_multi_head(
@@ -319,6 +327,8 @@ def _multi_head_generic(
     average_weights: bool,
     add_zero_attn: bool = False,
     chunk_size: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Any = None,
 ) -> Any:
     h, d_v = layout["h"], layout["d_v"]
     n, m = query.shape[-2], key.shape[-2]
@@ -326,7 +336,15 @@ def _multi_head_generic(
         xp, query, key, value, params, layout, mask, mask_per_head, key_lengths, is_causal, add_zero_attn
     )
     result = scaled_dot_product_attention(
-        q, k, v, mask=mask, is_causal=is_causal, return_weights=return_weights, chunk_size=chunk_size
+        q,
+        k,
+        v,
+        mask=mask,
+        is_causal=is_causal,
+        return_weights=return_weights,
+        chunk_size=chunk_size,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
     )
     heads, weights = result if return_weights else (result, None)
     lead = heads.shape[:-4]
@@ -450,12 +468,23 @@ class MultiHeadAttention:
         either way (as PyTorch returns them).
     add_zero_attn : bool
         Passed to every call (see :func:`multi_head_attention`).
+    dropout : float
+        Dropout on the weights in training mode (PyTorch's ``dropout``); 0
+        by default.
+    dropout_seed : int
+        The first call's seed in training mode; each call takes the next,
+        unless it is given its own ``dropout_seed``.
 
     Attributes
     ----------
     params : dict of str to array
     num_heads, num_kv_heads : int
     batch_first, add_zero_attn : bool
+    dropout : float
+    training : bool
+        Whether calls drop weights (with ``dropout > 0``): True after
+        :meth:`train`, the default as PyTorch's modules, False after
+        :meth:`eval`.
 
     Raises
     ------
@@ -493,6 +522,8 @@ class MultiHeadAttention:
         params: Mapping[str, Any] | None = None,
         batch_first: bool = True,
         add_zero_attn: bool = False,
+        dropout: float = 0.0,
+        dropout_seed: int = 0,
         **init: Array,
     ) -> None:
         op = "MultiHeadAttention"
@@ -500,7 +531,22 @@ class MultiHeadAttention:
         self.num_kv_heads = init.get("num_kv_heads") or num_heads
         self.batch_first = _checks.require_flag(op, "batch_first", batch_first)
         self.add_zero_attn = _checks.require_flag(op, "add_zero_attn", add_zero_attn)
+        self.dropout = _dropout.require_probability(op, "dropout", dropout)
+        if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int):
+            raise TypeError(f"{op}: dropout_seed must be an int, got {type(dropout_seed).__name__}")
+        self._next_seed = dropout_seed
+        self.training = True
         self.params = dict(params) if params is not None else init_multi_head_params(d_model, num_heads, **init)
+
+    def train(self, mode: bool = True) -> MultiHeadAttention:
+        """Training mode (dropout on, where ``dropout > 0``), or evaluation
+        mode with ``mode=False``; returns the module, as PyTorch's does."""
+        self.training = _checks.require_flag("MultiHeadAttention.train", "mode", mode)
+        return self
+
+    def eval(self) -> MultiHeadAttention:
+        """Evaluation mode: no dropout.  Returns the module."""
+        return self.train(False)
 
     @classmethod
     def from_torch(cls, module: Any) -> MultiHeadAttention:
@@ -510,16 +556,11 @@ class MultiHeadAttention:
         and its ``batch_first`` layout.
 
         The parameters are the module's own tensors (views, sharing storage),
-        so gradients reach the module.  A module that would compute something
-        attnx can't (dropout in training mode) is refused with a ValueError
-        naming the setting.
+        so gradients reach the module.  Its ``dropout`` and its mode
+        (``training``) are copied: in training mode attnx drops weights with
+        the same probability, by its own mask (:func:`multi_head_attention`'s
+        ``dropout_seed``), not PyTorch's generator's.
         """
-        if module.dropout and module.training:
-            raise ValueError(
-                f"MultiHeadAttention.from_torch: the module has dropout={module.dropout} and is in training "
-                f"mode, where it drops weights at random; attnx has no dropout: call module.eval() first "
-                f"(or build it with dropout=0.0)"
-            )
         e = module.embed_dim
         if module.in_proj_weight is not None:
             w_q, w_k, w_v = (w.T for w in module.in_proj_weight.split(e, dim=0))
@@ -538,13 +579,18 @@ class MultiHeadAttention:
             params=params,
             batch_first=bool(module.batch_first),
             add_zero_attn=bool(module.add_zero_attn),
-        )
+            dropout=float(module.dropout),
+        ).train(bool(module.training))
 
     def __call__(self, query: Array, key: Array = None, value: Array = None, **kwargs: Array) -> Array:
         key = query if key is None else key
         value = key if value is None else value
         kwargs.setdefault("num_kv_heads", self.num_kv_heads)
         kwargs.setdefault("add_zero_attn", self.add_zero_attn)
+        if self.training and self.dropout and "dropout_p" not in kwargs:
+            kwargs["dropout_p"] = self.dropout
+            if "dropout_seed" not in kwargs:  # a seed a call, in turn
+                kwargs["dropout_seed"], self._next_seed = self._next_seed, self._next_seed + 1
         sequence_first = not self.batch_first and query.ndim >= 3
         if sequence_first:  # (n, batch, d) -> (batch, n, d), and back for the output
             query, key, value = (_swap_sequence_and_batch(x) for x in (query, key, value))
@@ -559,7 +605,9 @@ class MultiHeadAttention:
         shapes = ", ".join(f"{k}={tuple(v.shape)}" for k, v in self.params.items())
         return (
             f"MultiHeadAttention(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"batch_first={self.batch_first}, add_zero_attn={self.add_zero_attn}, {shapes})"
+            f"batch_first={self.batch_first}, add_zero_attn={self.add_zero_attn}, "
+            + (f"dropout={self.dropout}, training={self.training}, " if self.dropout else "")
+            + f"{shapes})"
         )
 
 
@@ -594,6 +642,8 @@ def multi_head_attention_vjp(
     average_weights: bool = True,
     add_zero_attn: bool = False,
     chunk_size: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Any = None,
     backend: str | None = None,
 ) -> tuple[Any, Callable[[Any], dict[str, Any]]]:
     """:func:`attnx.vjp` of :func:`multi_head_attention`: the output, and a
@@ -626,6 +676,8 @@ def multi_head_attention_vjp(
         is_causal=is_causal,
         add_zero_attn=add_zero_attn,
         chunk_size=chunk_size,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
         backend=backend,
     )
     layout = check_multi_head(xp, query, key, value, params, num_heads, num_kv_heads)
@@ -634,7 +686,15 @@ def multi_head_attention_vjp(
         xp, query, key, value, params, layout, mask, per_head, key_lengths, is_causal, add_zero_attn
     )
     heads, heads_backward = scaled_dot_product_attention_vjp(
-        q, k, v, mask=heads_mask, is_causal=heads_causal, chunk_size=chunk_size, backend=backend
+        q,
+        k,
+        v,
+        mask=heads_mask,
+        is_causal=heads_causal,
+        chunk_size=chunk_size,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        backend=backend,
     )
     h, d_v, n = layout["h"], layout["d_v"], query.shape[-2]
     lead = heads.shape[:-4]

@@ -60,6 +60,30 @@ def softmax(scores: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray
     return np.where(total > 0, exponentials / np.where(total > 0, total, 1.0), 0.0)
 
 
+def _lowbias32(words: np.ndarray) -> np.ndarray:
+    """Chris Wellons' lowbias32 integer hash, on unsigned 32-bit words."""
+    words = np.atleast_1d(np.asarray(words, dtype=np.uint32))  # arrays wrap silently, scalars warn
+    words = words ^ (words >> np.uint32(16))
+    words = words * np.uint32(0x7FEB352D)
+    words = words ^ (words >> np.uint32(15))
+    words = words * np.uint32(0x846CA68B)
+    return words ^ (words >> np.uint32(16))
+
+
+def dropout_multiplier(seed: int, batch_shape: tuple[int, ...], n: int, m: int, p: float) -> np.ndarray:
+    """attnx's dropout mask (*batch_shape, n, m) as its contract states it:
+    ``0`` where dropped, ``1 / (1 - p)`` where kept, kept where
+    ``mix(mix(key ^ i) ^ mix(j ^ 0x9E3779B9)) >= round(p * 2**32)`` with
+    ``key = mix(mix(seed mod 2**32) ^ slice)``, ``slice`` the row-major
+    index into ``batch_shape``."""
+    slices = np.arange(math.prod(batch_shape), dtype=np.uint32).reshape(batch_shape)
+    key = _lowbias32(_lowbias32(np.uint32(seed % 2**32)) ^ slices).reshape(batch_shape)
+    row = _lowbias32(key[..., None, None] ^ np.arange(n, dtype=np.uint32)[:, None])
+    column = _lowbias32(np.arange(m, dtype=np.uint32)[None, :] ^ np.uint32(0x9E3779B9))
+    kept = _lowbias32(row ^ column).astype(np.int64) >= round(p * 2**32)
+    return np.where(kept, 1.0 / (1.0 - p) if p < 1 else 0.0, 0.0)
+
+
 def scaled_dot_product_attention(
     query: np.ndarray,
     key: np.ndarray,
@@ -68,8 +92,11 @@ def scaled_dot_product_attention(
     allowed: np.ndarray | None = None,
     additive: np.ndarray | None = None,
     scale: float | None = None,
+    dropout: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """softmax(q k^T * scale + additive) v with the allowed mask; (output, weights)."""
+    """softmax(q k^T * scale + additive) v with the allowed mask, the
+    weights multiplied by ``dropout`` (:func:`dropout_multiplier`) where
+    given; (output, weights after dropout)."""
     query, key, value = (np.asarray(a, dtype=np.float64) for a in (query, key, value))
     lead = np.broadcast_shapes(query.shape[:-2], key.shape[:-2], value.shape[:-2])
     query, key, value = (np.broadcast_to(a, (*lead, *a.shape[-2:])) for a in (query, key, value))
@@ -79,6 +106,8 @@ def scaled_dot_product_attention(
     if additive is not None:
         scores = scores + np.asarray(additive, dtype=np.float64)
     weights = softmax(scores, allowed)
+    if dropout is not None:
+        weights = weights * dropout
     return np.einsum("...nm,...md->...nd", weights, value), weights
 
 
@@ -91,13 +120,15 @@ def scaled_dot_product_attention_vjp(
     allowed: np.ndarray | None = None,
     additive: np.ndarray | None = None,
     scale: float | None = None,
+    dropout: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """The cotangents of ``query``, ``key``, ``value``, ``scale`` (and an
     ``additive`` mask's) for ``cotangent`` of the output, from the chain
-    rule on the dense formula: ``dV = P^T dO``, ``dS = P * (dO V^T -
+    rule on the dense formula: ``dV = (P Z)^T dO``, ``dS = P * (Z dO V^T -
     rowsum(dO * O))``, ``dQ = s dS K``, ``dK = s dS^T Q``, ``d_scale =
-    sum(dS * Q K^T)``, ``d_additive = dS``; each summed over the axes its
-    argument was broadcast along."""
+    sum(dS * Q K^T)``, ``d_additive = dS``, with ``Z`` the ``dropout``
+    multiplier (1 without); each summed over the axes its argument was
+    broadcast along."""
     shapes = {"query": np.shape(query), "key": np.shape(key), "value": np.shape(value)}
     if additive is not None:
         shapes["additive"] = np.shape(additive)
@@ -107,13 +138,15 @@ def scaled_dot_product_attention_vjp(
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     output, weights = scaled_dot_product_attention(query, key, value, allowed=allowed, additive=additive, scale=scale)
-    d_weights = np.einsum("...nd,...md->...nm", cotangent, value)
+    multiplier = 1.0 if dropout is None else dropout
+    output = np.einsum("...nm,...md->...nd", weights * multiplier, value)
+    d_weights = np.einsum("...nd,...md->...nm", cotangent, value) * multiplier
     d_scores = weights * (d_weights - np.sum(cotangent * output, axis=-1, keepdims=True))
     unscaled = np.einsum("...nd,...md->...nm", query, key)
     grads = {
         "query": scale * np.einsum("...nm,...md->...nd", d_scores, key),
         "key": scale * np.einsum("...nm,...nd->...md", d_scores, query),
-        "value": np.einsum("...nm,...nd->...md", weights, cotangent),
+        "value": np.einsum("...nm,...nd->...md", weights * multiplier, cotangent),
         "additive": d_scores,
     }
     for name, shape in shapes.items():

@@ -78,12 +78,29 @@ def test_unbatched_inputs_in_either_layout():
         torch.testing.assert_close(attnx.MultiHeadAttention.from_torch(module)(x), expected, rtol=1e-12, atol=1e-12)
 
 
-def test_dropout_in_training_mode_is_refused_naming_it():
-    module = torch.nn.MultiheadAttention(8, 2, dropout=0.1)
-    with pytest.raises(ValueError, match=r"dropout=0.1 .* training mode.*module.eval\(\)"):
-        attnx.MultiHeadAttention.from_torch(module)
-    attnx.MultiHeadAttention.from_torch(module.eval())  # without dropout at work it is exact
-    attnx.MultiHeadAttention.from_torch(torch.nn.MultiheadAttention(8, 2))  # dropout 0 computes no randomness
+def test_a_module_in_training_mode_drops_weights_as_pytorchs_does():
+    """In training mode the copy drops weights with the module's
+    probability, by attnx's mask rather than PyTorch's generator: over many
+    calls both average to the module's output in eval mode (inverted
+    dropout keeps the expectation) and spread alike about it; in eval mode
+    the copy is exact again."""
+    torch.manual_seed(0)
+    module = torch.nn.MultiheadAttention(8, 2, dropout=0.2, batch_first=True, dtype=torch.float64)
+    copy = attnx.MultiHeadAttention.from_torch(module)
+    assert copy.training and copy.dropout == 0.2
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    calls = 600
+    with torch.no_grad():
+        ours = torch.stack([copy(x) for _ in range(calls)])
+        theirs = torch.stack([module(x, x, x, need_weights=False)[0] for _ in range(calls)])
+        expected = module.eval()(x, x, x, need_weights=False)[0]
+    for outputs in (ours, theirs):
+        error = (outputs.mean(0) - expected).abs().max() / expected.abs().max()
+        assert error < 0.05, f"the mean of {calls} calls is off the eval output by {error:.3f} of its largest"
+    spread = ours.std(0).mean() / theirs.std(0).mean()
+    assert 0.85 < spread < 1.15, f"attnx's outputs spread {spread:.2f} times PyTorch's"
+    copy.train(module.training)  # eval now, as the module
+    torch.testing.assert_close(copy(x), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_the_copy_runs_on_numpy_too():
