@@ -12,6 +12,7 @@ as ``is_causal=True`` or as a block mask is skipped by the same code.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -413,22 +414,6 @@ def backward_tiles(
         axes = tuple(axis for axis, size in enumerate(aligned) if size == 1 and whole.shape[axis] != 1)
         return xp.sum(whole, axis=axes, keepdims=True) if axes else whole
 
-    def laid_out(parts: list[tuple[int, int, Any]], like: Any) -> Any:
-        """A row range's tiles of a key-side gradient, each ``(c0, c1, part)``
-        (disjoint), laid out over all ``m`` keys with zeros between: one
-        concatenation a range of rows, not one a tile (no item assignment:
-        the standard's arrays may be immutable)."""
-        pieces, at = [], 0
-        lead, width = tuple(like.shape[:-2]), like.shape[-1]
-        for c0, c1, part in sorted(parts, key=lambda entry: entry[0]):
-            if c0 > at:
-                pieces.append(xp.zeros((*lead, c0 - at, width), dtype=compute, device=device))
-            pieces.append(xp.broadcast_to(part, (*lead, c1 - c0, width)) if tuple(part.shape[:-2]) != lead else part)
-            at = c1
-        if at < m:
-            pieces.append(xp.zeros((*lead, m - at, width), dtype=compute, device=device))
-        return pieces[0] if len(pieces) == 1 else xp.concat(pieces, axis=-2)
-
     def group_gradients(item: tuple[int, range]) -> tuple[list[Any], Any, Any, Any]:
         """One group's gradients from some of its ranges of rows: their
         ``d_query`` rows (a list, one a range), and their parts of
@@ -442,14 +427,16 @@ def backward_tiles(
         q, k, v, out, d_out, shift, stats = arrays
         group_shape = batch_shape if span is None else (span[1] - span[0], *batch_shape[1:])
         q_scaled, key_t, value_t = q * scale, xp.matrix_transpose(k), xp.matrix_transpose(v)
-        d_key = xp.zeros((*group_shape, m, d_k), dtype=compute, device=device)
-        d_value = xp.zeros((*group_shape, m, d_v), dtype=compute, device=device)
+        visits_of = {r0: list(tiles(span, (r0, min(n, r0 + query_chunk)))) for r0 in starts}
+        bounds = sorted({0, m, *(c for visits in visits_of.values() for c0, c1, _ in visits for c in (c0, c1))})
+        d_key = KeyBlocks(xp, group_shape, bounds, d_k, compute, device)
+        d_value = KeyBlocks(xp, group_shape, bounds, d_v, compute, device)
         d_scale = xp.zeros((), dtype=compute, device=device)
         row_grads, mask_grads = [], []
         for r0 in starts:
             rows = (r0, min(n, r0 + query_chunk))
             q_rows = q_scaled[..., rows[0] : rows[1], :]
-            visits = list(tiles(span, rows))
+            visits = visits_of[r0]
             # walk 1: each row's maximum and sum over every visited tile, unless the forward gave them
             state = None if stats is None or not visits else stats[..., rows[0] : rows[1], :]
             for c0, c1, masked in visits if stats is None else ():
@@ -468,7 +455,7 @@ def backward_tiles(
             row_max, total = state[..., -1:], _masking.nonzero_total(xp, state[..., -2:-1])
             shift_rows = shift[..., rows[0] : rows[1], :]
             d_rows = None  # dS @ K, unscaled: d_query is its scale times, d_scale its product with q
-            key_parts, value_parts, score_parts = [], [], []  # this range's tiles of d_key, d_value, dS
+            score_parts = []  # this range's tiles of dS
             # walk 2: each tile's weights again, and its part of every gradient
             for c0, c1, masked in visits:
                 scores, allowed, additive = tile_scores(q_rows @ key_t[..., c0:c1], span, rows, (c0, c1), masked)
@@ -477,19 +464,17 @@ def backward_tiles(
                 probabilities = weights / total  # 0 where masked or nothing attended
                 d_weights = d_out_rows @ value_t[..., c0:c1]
                 if dropout is None:
-                    value_parts.append((c0, c1, xp.matrix_transpose(probabilities) @ d_out_rows))
+                    d_value.add(c0, c1, xp.matrix_transpose(probabilities) @ d_out_rows)
                 else:  # the forward's mask, made again: O = (P * Z) V
                     kept = dropout.tile(span, rows, (c0, c1))
-                    value_parts.append((c0, c1, xp.matrix_transpose(probabilities * kept) @ d_out_rows))
+                    d_value.add(c0, c1, xp.matrix_transpose(probabilities * kept) @ d_out_rows)
                     d_weights = d_weights * kept
                 d_scores = probabilities * (d_weights - shift_rows)
                 if aligned is not None:
                     score_parts.append((c0, c1, d_scores))
                 part = d_scores @ k[..., c0:c1, :]
                 d_rows = part if d_rows is None else d_rows + part
-                key_parts.append((c0, c1, xp.matrix_transpose(d_scores) @ q_rows))
-            d_key = d_key + laid_out(key_parts, d_key)
-            d_value = d_value + laid_out(value_parts, d_value)
+                d_key.add(c0, c1, xp.matrix_transpose(d_scores) @ q_rows)
             if aligned is not None:
                 mask_grads.append(mask_part(score_parts, group_shape, rows))
             d_scale = d_scale + xp.sum(d_rows * q[..., rows[0] : rows[1], :])
@@ -497,7 +482,7 @@ def backward_tiles(
             if tuple(d_rows.shape[:-2]) != group_shape:
                 d_rows = xp.broadcast_to(d_rows, (*group_shape, *d_rows.shape[-2:]))
             row_grads.append(d_rows)
-        return row_grads, d_key, d_value, d_scale, mask_grads
+        return row_grads, d_key.laid_out(), d_value.laid_out(), d_scale, mask_grads
 
     # Where the groups are fewer than the blocks that can run at once, each
     # group's ranges of rows are shared out too: their key-side parts are
@@ -536,6 +521,50 @@ def backward_tiles(
         mask_groups = [g[4] for g in per_group]
         gradients.append(_summed(mask_groups) if aligned[0] == 1 else xp.concat(mask_groups, axis=0))
     return tuple(gradients)
+
+
+class KeyBlocks:
+    """A key-side gradient ``(*lead, m, width)`` summed from tiles' parts,
+    held in blocks between ``bounds`` (every tile's first and last key, 0
+    and ``m``, sorted): a part adds to the blocks it spans, so the work
+    grows with the tiles, not with ``m`` for each range of rows (a sliding
+    window's backward stays linear in n); laid out once at the end (no
+    item assignment: the standard's arrays may be immutable)."""
+
+    def __init__(self, xp: Any, lead: tuple[int, ...], bounds: list[int], width: int, dtype: Any, device: Any) -> None:
+        self.xp, self.lead, self.bounds, self.width = xp, tuple(lead), bounds, width
+        self.dtype, self.device = dtype, device
+        self.blocks: dict[int, Any] = {}
+
+    def _zeros(self, keys: int) -> Any:
+        return self.xp.zeros((*self.lead, keys, self.width), dtype=self.dtype, device=self.device)
+
+    def add(self, c0: int, c1: int, part: Any) -> None:
+        """Add ``part``, the gradient of keys ``c0:c1`` (both in ``bounds``)."""
+        if tuple(part.shape[:-2]) != self.lead:
+            part = self.xp.broadcast_to(part, (*self.lead, c1 - c0, self.width))
+        bounds = self.bounds
+        for index in range(bisect.bisect_left(bounds, c0), bisect.bisect_left(bounds, c1)):
+            b0, b1 = bounds[index], bounds[index + 1]
+            piece = part if (b0, b1) == (c0, c1) else part[..., b0 - c0 : b1 - c0, :]
+            held = self.blocks.get(index)
+            self.blocks[index] = piece if held is None else held + piece
+
+    def laid_out(self) -> Any:
+        """The whole gradient, zeros where no part came."""
+        pieces, empty = [], 0  # runs of untouched blocks become one array of zeros
+        for index in range(len(self.bounds) - 1):
+            block = self.blocks.get(index)
+            if block is None:
+                empty += self.bounds[index + 1] - self.bounds[index]
+                continue
+            if empty:
+                pieces.append(self._zeros(empty))
+                empty = 0
+            pieces.append(block)
+        if empty or not pieces:
+            pieces.append(self._zeros(empty))
+        return _joined(self.xp, pieces, -2)
 
 
 def _joined(xp: Any, arrays: list[Any], axis: int) -> Any:

@@ -10,10 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 from attnx._attention_vjp import masked_softmax_vjp, scaled_dot_product_attention_vjp
+from attnx._flex_vjp import flex_attention_vjp
 from attnx._typing import Array
 from attnx.additive import additive_attention, additive_attention_vjp, bahdanau_context, bahdanau_context_vjp
 from attnx.attention import masked_softmax, scaled_dot_product_attention
 from attnx.convolution import causal_conv1d, causal_conv1d_vjp
+from attnx.flex import flex_attention
 from attnx.kernel_regression import nadaraya_watson, nadaraya_watson_vjp
 from attnx.multihead import multi_head_attention, multi_head_attention_vjp
 from attnx.positional import LearnedPositions, apply_rotary, apply_rotary_vjp, learned_positions_vjp
@@ -31,7 +33,8 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     ----------
     operation : callable
         :func:`attnx.scaled_dot_product_attention`,
-        :func:`attnx.masked_softmax`, :func:`attnx.multi_head_attention`,
+        :func:`attnx.masked_softmax`, :func:`attnx.flex_attention` (with a
+        block mask, without a ``score_mod``), :func:`attnx.multi_head_attention`,
         :func:`attnx.additive_attention`, :func:`attnx.bahdanau_context`,
         :func:`attnx.nadaraya_watson`, :func:`attnx.causal_conv1d`,
         :func:`attnx.apply_rotary` or an :class:`attnx.LearnedPositions`
@@ -47,7 +50,9 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
         Given a cotangent of ``output`` (its shape, dtype and backend), the
         cotangents of the operation's floating-point array arguments, by
         parameter name: ``query``, ``key``, ``value`` and, where it was an
-        array or a NumPy scalar, ``scale``, and a real ``mask``; ``scores``
+        array or a NumPy scalar, ``scale``, and a real ``mask`` (for
+        ``flex_attention``, its key and value gradients summed over the
+        query heads of each group); ``scores``
         (and a real ``mask``) for
         ``masked_softmax``; ``query``, ``key``, ``value`` and ``params`` (a
         dict by the params' names) for ``multi_head_attention`` and
@@ -66,7 +71,8 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     TypeError
         If ``operation`` is not one that :func:`vjp` differentiates, a real
         (additive) mask is given to ``multi_head_attention`` (its gradient
-        is not implemented yet), a kernel of the user's own to
+        is not implemented yet), a ``score_mod`` to ``flex_attention``
+        (PyTorch's and JAX's autograd differentiate one), a kernel of the user's own to
         ``nadaraya_watson``, or the cotangent is not an array of the
         output's backend and dtype; and whatever ``operation`` raises for
         its arguments.
@@ -79,8 +85,9 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     -----
     Attention's backward is FlashAttention-2's: each tile's weights are
     recomputed from its rows' maximum and sum, and no ``(n, m)`` tile
-    outlives its step; tiles the forward skips (the causal future) are
-    skipped, and rows that attend nothing get zero gradients.
+    outlives its step; tiles the forward skips (the causal future, a block
+    mask's empty blocks) are skipped, rows that attend nothing get zero
+    gradients, and dropout's mask is made again from its seed.
     Nadaraya-Watson's walks the forward's chunks of queries.
 
     Examples
@@ -118,6 +125,7 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
 _RULES: dict[Callable[..., Any], Callable[..., Any]] = {
     scaled_dot_product_attention: scaled_dot_product_attention_vjp,
     masked_softmax: masked_softmax_vjp,
+    flex_attention: flex_attention_vjp,
     multi_head_attention: multi_head_attention_vjp,
     additive_attention: additive_attention_vjp,
     bahdanau_context: bahdanau_context_vjp,

@@ -140,7 +140,8 @@ def multi_head_attention(
         else (query,)
     )
     names = ("query", "key", "value", "mask", "key_lengths", *(f"params[{p!r}]" for p in entries))
-    names, arrays = (*names, "dropout_seed"), (*arrays, _dropout.seed_array(dropout_seed))
+    if isinstance(params, Mapping):
+        names, arrays = (*names, "dropout_seed"), (*arrays, _dropout.seed_array(dropout_seed))
     chosen, reason = _dispatch.resolve(_MHA, backend, names, arrays, 3)
     xp = chosen.xp
     if dropout_p or dropout_seed is not None:

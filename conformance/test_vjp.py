@@ -403,3 +403,61 @@ def test_bahdanau_gradients_equal_finite_differences_of_the_reference(attnx_back
         return float((out[:, 0, :] * cotangent).sum())
 
     _directional_check(be, grads, loss, arguments, gen)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25], ids=["no dropout", "dropout"])
+def test_flex_gradients_walk_the_block_masks_blocks(attnx_backend, dropout_p):
+    """``attnx.vjp(attnx.flex_attention, ...)`` over a block mask with
+    empty (skipped), partial and full blocks and a row that attends
+    nothing, grouped heads sharing a broadcast batch's keys, a 0-d scale
+    and dropout: the chain rule on the dense formula."""
+    be = attnx_backend
+    dtype = be.dtype("float64")
+    batch, heads, kv_heads, n, m = 2, 4, 2, 11, 13
+
+    def band(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx - 2) & (q_idx - kv_idx <= 5) & (q_idx != 3)
+
+    block_mask = attnx.create_block_mask(band, None, None, n, m, block_size=(2, 3), device=be.device)
+    assert set(np.unique(be.numpy(block_mask.kinds)).tolist()) == {0, 1, 2}
+    gen = rng(60, n, m)
+    data = {
+        "query": gen.standard_normal((batch, heads, n, 4)),
+        "key": gen.standard_normal((1, kv_heads, m, 4)),
+        "value": gen.standard_normal((1, kv_heads, m, 3)),
+        "cotangent": gen.standard_normal((batch, heads, n, 3)),
+    }
+    data = {k: rounded(v, be, dtype) for k, v in data.items()}
+    arrays = {k: be.array(v, dtype) for k, v in data.items()}
+    seed = 11
+    output, backward = attnx.vjp(
+        attnx.flex_attention,
+        arrays["query"],
+        arrays["key"],
+        arrays["value"],
+        None,
+        block_mask,
+        enable_gqa=True,
+        scale=be.array(np.asarray(0.7), dtype),
+        dropout_p=dropout_p,
+        dropout_seed=seed,
+    )
+    grads = backward(arrays["cotangent"])
+    group = heads // kv_heads
+    grids = np.meshgrid(np.arange(batch), np.arange(heads), np.arange(n), np.arange(m), indexing="ij")
+    dropout = reference.dropout_multiplier(seed, (batch, heads), n, m, dropout_p) if dropout_p else None
+    expected = reference.scaled_dot_product_attention_vjp(
+        data["query"],
+        np.repeat(data["key"], group, axis=1),
+        np.repeat(data["value"], group, axis=1),
+        data["cotangent"],
+        allowed=band(*grids),
+        scale=0.7,
+        dropout=dropout,
+    )
+    assert sorted(grads) == ["key", "query", "scale", "value"]
+    assert_close(grads["query"], expected["query"], be, dtype, like=arrays["query"], scale=4.0)
+    for name in ("key", "value"):  # (1, H, m, d), the batch summed: now the query heads of each group
+        summed = expected[name].reshape(1, kv_heads, group, m, -1).sum(axis=2)
+        assert_close(grads[name], summed, be, dtype, like=arrays[name], scale=4.0)
+    assert_close(grads["scale"], expected["scale"], be, dtype, scale=16.0)
