@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnx import _checks, _cotangents, _tiling
-from attnx.flex import _FLEX, _empty_shape, flex_tiles, validated_call
+from attnx.flex import _FLEX, empty_shape, flex_tiles, index_arrays, mod_backward, validated_call
 
 __all__ = ["flex_attention_vjp"]
 
@@ -48,18 +48,31 @@ def flex_attention_vjp(
     )
     if return_weights:
         raise ValueError(f"{operation}: return_weights=True has two outputs; differentiate the output alone")
+    mod = None
     if score_mod is not None:
-        raise TypeError(
-            f"{operation}: can't differentiate a score_mod on {chosen.name!r} yet; without one it differentiates "
-            "block masks (on PyTorch and JAX their autograd differentiates a score_mod, and what it closes over)"
-        )
+        mod = mod_backward(score_mod)
+        if mod is None:
+            name = getattr(score_mod, "__qualname__", type(score_mod).__name__)
+            raise TypeError(
+                f"{operation}: can't differentiate the score_mod {name}, a function of your own, on "
+                f"{chosen.name!r}: attnx differentiates the score_mods of attnx.mods that say how (alibi, soft_cap); "
+                "PyTorch's and JAX's autograd differentiate any score_mod, and what it closes over"
+            )
     xp, scale = chosen.xp, arguments["scale"]
     plan = flex_tiles(
-        xp, query=query, key=key, value=value, score_mod=None, block_mask=block_mask, backend=chosen, dropout=dropout
+        xp,
+        query=query,
+        key=key,
+        value=value,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        backend=chosen,
+        dropout=dropout,
     )
+    tables = {} if mod is None else mod[1]
     if plan is None:  # an axis of size 0: zeros, and zero gradients
-        output = xp.zeros(_empty_shape(query, key, value), dtype=query.dtype, device=_checks.device_of(query))
-        return output, _backward(operation, xp, query, key, value, scale, output, None)
+        output = xp.zeros(empty_shape(query, key, value), dtype=query.dtype, device=_checks.device_of(query))
+        return output, _backward(operation, xp, query, key, value, scale, tables, output, None)
     grouped_output, stats = _tiling.attend_tiles(
         xp,
         plan.query,
@@ -69,12 +82,15 @@ def flex_attention_vjp(
         tiles=plan.tiles,
         tile_scores=plan.tile_scores,
         with_stats=True,
+        scores_may_mask=score_mod is not None,
         **plan.walk,
     )
     output = xp.reshape(grouped_output, plan.shape)
 
     def tiled(cotangent: Any) -> tuple[Any, ...]:
-        return _tiling.backward_tiles(
+        table_parts: list[dict[str, Any]] = []  # each tile's, summed after (threads append alike)
+        score_vjp = None if mod is None else _score_vjp(xp, chosen, mod[0], plan, table_parts)
+        gradients = _tiling.backward_tiles(
             xp,
             plan.query,
             plan.key,
@@ -85,10 +101,33 @@ def flex_attention_vjp(
             tiles=plan.tiles,
             tile_scores=plan.tile_scores,
             row_stats=stats,
+            score_vjp=score_vjp,
             **plan.walk,
         )
+        summed = {name: sum(part[name] for part in table_parts[1:]) + table_parts[0][name] for name in tables}
+        return (*gradients, summed)
 
-    return output, _backward(operation, xp, query, key, value, scale, output, tiled)
+    return output, _backward(operation, xp, query, key, value, scale, tables, output, tiled)
+
+
+def _score_vjp(xp: Any, chosen: Any, backward: Any, plan: Any, table_parts: list[dict[str, Any]]) -> Any:
+    """The backward of the score_mod on a grouped tile ``(B, H_kv, G, rows,
+    cols)``, called as the forward calls the mod: on the tile as ``(B, H,
+    rows, cols)``, with the same index arrays.  Its tables' gradients go to
+    ``table_parts``."""
+    batch, heads = plan.shape[:2]
+    device = _checks.device_of(plan.query)
+
+    def score_vjp(d_scores: Any, raw: Any, span: Any, rows: Any, cols: Any) -> Any:
+        grouped_shape = tuple(d_scores.shape)
+        flat_shape = (grouped_shape[0], heads, *grouped_shape[3:])
+        raw = xp.broadcast_to(raw, grouped_shape) if tuple(raw.shape) != grouped_shape else raw
+        indices = index_arrays(xp, span or (0, batch), heads, rows, cols, device)
+        d_raw, tables = backward(xp.reshape(d_scores, flat_shape), xp.reshape(raw, flat_shape), *indices)
+        table_parts.append(tables)
+        return xp.reshape(d_raw, grouped_shape)
+
+    return score_vjp
 
 
 def _backward(
@@ -98,13 +137,15 @@ def _backward(
     key: Any,
     value: Any,
     scale: Any,
+    tables: dict[str, Any],
     output: Any,
     tiled: Callable[[Any], tuple[Any, ...]] | None,
 ) -> Callable[[Any], dict[str, Any]]:
     """The backward that :func:`attnx.vjp` hands out: the tiles' gradients
     (zeros where ``tiled`` is None: nothing was computed), the grouped
     heads' key/value gradients summed over the query heads that share them,
-    each summed to its argument's (broadcast) shape."""
+    each summed to its argument's (broadcast) shape, and the score_mod's
+    ``tables``' under ``"score_mod"``."""
     scale_is_array = not isinstance(scale, int | float)
 
     def backward(cotangent: Any) -> dict[str, Any]:
@@ -112,9 +153,13 @@ def _backward(
         grads = {name: xp.zeros_like(array) for name, array in (("query", query), ("key", key), ("value", value))}
         if scale_is_array:
             grads["scale"] = xp.zeros_like(scale)
+        if tables:
+            grads["score_mod"] = {name: xp.zeros_like(table) for name, table in tables.items()}
         if tiled is None:
             return grads
-        d_query, d_key, d_value, d_scale = tiled(cotangent)
+        d_query, d_key, d_value, d_scale, d_tables = tiled(cotangent)
+        for name, d_table in d_tables.items():
+            grads["score_mod"][name] = _cotangents.like(xp, d_table, tables[name])
         batch = d_query.shape[0]
         grads["query"] = _cotangents.like(xp, xp.reshape(d_query, (batch, *query.shape[1:])), query)
         # (B, H_kv, G, m, d): the G query heads of each key/value head summed

@@ -362,6 +362,7 @@ def backward_tiles(
     mask_shape: tuple[int, ...] | None = None,
     row_stats: Any = None,
     dropout: Dropout | None = None,
+    score_vjp: Callable[[Any, Any, Span | None, Span, Span], Any] | None = None,
 ) -> tuple[Any, ...]:
     """The gradients of :func:`attend_tiles`' output, walking the same tiles.
 
@@ -382,6 +383,9 @@ def backward_tiles(
     real mask added to the scores, its gradient comes fifth: the scores'
     gradient, summed where the mask broadcasts (its other leading axes are
     the caller's to sum), each range of rows' tiles laid out together.
+    ``score_vjp(d_scores, raw, group, rows, cols)``: where ``tile_scores``
+    changes the scores (a ``score_mod``), the gradient of the tile's raw
+    scores (``q k^T s``) from that of the changed ones.
     """
     batch_shape = tuple(batch_shape)
     compute, (query, key, value, output, cotangent) = _checks.in_accumulation_dtype(
@@ -458,9 +462,13 @@ def backward_tiles(
             score_parts = []  # this range's tiles of dS
             # walk 2: each tile's weights again, and its part of every gradient
             for c0, c1, masked in visits:
-                scores, allowed, additive = tile_scores(q_rows @ key_t[..., c0:c1], span, rows, (c0, c1), masked)
-                # the masks applied as in the forward, shifted by the whole row's maximum
-                weights, _ = _masking.unnormalised_softmax(xp, scores, allowed, additive, running_max=row_max)
+                raw = q_rows @ key_t[..., c0:c1]
+                scores, allowed, additive = tile_scores(raw, span, rows, (c0, c1), masked)
+                # the masks applied as in the forward, shifted by the whole row's maximum (the raw
+                # scores kept whole where score_vjp reads them)
+                weights, _ = _masking.unnormalised_softmax(
+                    xp, scores, allowed, additive, running_max=row_max, owned=score_vjp is None
+                )
                 probabilities = weights / total  # 0 where masked or nothing attended
                 d_weights = d_out_rows @ value_t[..., c0:c1]
                 if dropout is None:
@@ -470,6 +478,8 @@ def backward_tiles(
                     d_value.add(c0, c1, xp.matrix_transpose(probabilities * kept) @ d_out_rows)
                     d_weights = d_weights * kept
                 d_scores = probabilities * (d_weights - shift_rows)
+                if score_vjp is not None:
+                    d_scores = score_vjp(d_scores, raw, span, rows, (c0, c1))
                 if aligned is not None:
                     score_parts.append((c0, c1, d_scores))
                 part = d_scores @ k[..., c0:c1, :]

@@ -274,6 +274,26 @@ def for_sizes(mod: Any, *sizes: TableSize) -> Any:
     return mod
 
 
+#: A score_mod's backward, ``backward(d_score, score, b, h, q_idx, kv_idx) ->
+#: (d_score_in, {table name: its gradient})``, and its tables by name, for
+#: :func:`attnx.vjp` on backends without autograd (:func:`with_backward`).
+ModBackward = Callable[..., tuple[Any, dict[str, Any]]]
+_BACKWARD_ATTRIBUTE = "_attnx_backward"
+
+
+def with_backward(mod: Any, backward: ModBackward, **tables: Any) -> Any:
+    """``mod``, with its backward and the tables it closes over (by the
+    names :func:`attnx.vjp` gives their gradients)."""
+    setattr(mod, _BACKWARD_ATTRIBUTE, (backward, tables))
+    return mod
+
+
+def mod_backward(mod: Any) -> tuple[ModBackward, dict[str, Any]] | None:
+    """A mod's backward and tables (:func:`with_backward`); None for a mod
+    of the user's own."""
+    return getattr(mod, _BACKWARD_ATTRIBUTE, None)
+
+
 def declared_sizes(mod: Any) -> tuple[TableSize, ...]:
     """The sizes ``mod``'s tables are for; none for a mod of the user's own."""
     return getattr(mod, _SIZES_ATTRIBUTE, ())
@@ -460,7 +480,7 @@ def _blocks_reduce(xp: Any, allowed: Any, q_block: int, kv_block: int, reduce: A
     return reduce(xp.reshape(allowed, shape), axis=(-3, -1))
 
 
-def _index_arrays(
+def index_arrays(
     xp: Any, batch: tuple[int, int], heads: int, rows: tuple[int, int], cols: tuple[int, int], device: Any
 ) -> tuple[Any, Any, Any, Any]:
     """``b (B, 1, 1, 1)``, ``h (1, H, 1, 1)``, ``q_idx (1, 1, rows, 1)``,
@@ -517,7 +537,7 @@ def call_mask_mod(
     """``mask_mod`` on a tile's index arrays: a boolean array broadcastable
     to ``(B, H, rows, cols)``, never fewer than 4 dimensions."""
     xp = chosen.xp
-    indices = _index_arrays(xp, batch, heads, rows, cols, device)
+    indices = index_arrays(xp, batch, heads, rows, cols, device)
     tile = (batch[1] - batch[0], heads, rows[1] - rows[0], cols[1] - cols[0])
     allowed = _call_mod(operation, chosen, "mask_mod", mask_mod, indices, indices, tile)
     if allowed.dtype != xp.bool:
@@ -539,7 +559,7 @@ def call_score_mod(
     """``score_mod`` on a tile's scores ``(B, H, rows, cols)`` and index
     arrays: scores of the same shape and dtype."""
     xp = chosen.xp
-    indices = _index_arrays(xp, batch, scores.shape[1], rows, cols, _checks.device_of(scores))
+    indices = index_arrays(xp, batch, scores.shape[1], rows, cols, _checks.device_of(scores))
     tile = tuple(scores.shape)
     result = _call_mod(operation, chosen, "score_mod", score_mod, (scores, *indices), indices, tile)
     if result.dtype != scores.dtype:
@@ -1003,7 +1023,7 @@ def _flex_generic(
         dropout=dropout,
     )
     if plan is None:
-        shape = _empty_shape(query, key, value)
+        shape = empty_shape(query, key, value)
         output = xp.zeros(shape, dtype=query.dtype, device=_checks.device_of(query))
         if not return_weights:
             return output
@@ -1041,7 +1061,7 @@ def _flex_generic(
     return xp.reshape(output, plan.shape)
 
 
-def _empty_shape(query: Any, key: Any, value: Any) -> tuple[int, int, int, int]:
+def empty_shape(query: Any, key: Any, value: Any) -> tuple[int, int, int, int]:
     batch = _checks.broadcast(_FLEX, {"query": query.shape[:1], "key": key.shape[:1], "value": value.shape[:1]})[0]
     return (batch, query.shape[1], query.shape[2], value.shape[3])
 

@@ -33,8 +33,9 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     ----------
     operation : callable
         :func:`attnx.scaled_dot_product_attention`,
-        :func:`attnx.masked_softmax`, :func:`attnx.flex_attention` (with a
-        block mask, without a ``score_mod``), :func:`attnx.multi_head_attention`,
+        :func:`attnx.masked_softmax`, :func:`attnx.flex_attention` (a
+        block mask, and the score_mods of :mod:`attnx.mods` that carry
+        their backward: ``alibi``, ``soft_cap``), :func:`attnx.multi_head_attention`,
         :func:`attnx.additive_attention`, :func:`attnx.bahdanau_context`,
         :func:`attnx.nadaraya_watson`, :func:`attnx.causal_conv1d`,
         :func:`attnx.apply_rotary` or an :class:`attnx.LearnedPositions`
@@ -52,7 +53,8 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
         parameter name: ``query``, ``key``, ``value`` and, where it was an
         array or a NumPy scalar, ``scale``, and a real ``mask`` (for
         ``flex_attention``, its key and value gradients summed over the
-        query heads of each group); ``scores``
+        query heads of each group, and the score_mod's tables under
+        ``score_mod``, by name: ``{"slopes": ...}`` for ``alibi``); ``scores``
         (and a real ``mask``) for
         ``masked_softmax``; ``query``, ``key``, ``value`` and ``params`` (a
         dict by the params' names) for ``multi_head_attention`` and
@@ -71,8 +73,8 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     TypeError
         If ``operation`` is not one that :func:`vjp` differentiates, a real
         (additive) mask is given to ``multi_head_attention`` (its gradient
-        is not implemented yet), a ``score_mod`` to ``flex_attention``
-        (PyTorch's and JAX's autograd differentiate one), a kernel of the user's own to
+        is not implemented yet), a ``score_mod`` of the user's own to
+        ``flex_attention`` (PyTorch's and JAX's autograd differentiate one), a kernel of the user's own to
         ``nadaraya_watson``, or the cotangent is not an array of the
         output's backend and dtype; and whatever ``operation`` raises for
         its arguments.

@@ -27,7 +27,7 @@ from typing import Any
 
 from attnx import _checks, _dispatch, _masking
 from attnx._typing import Array, Device, DType
-from attnx.flex import for_sizes
+from attnx.flex import for_sizes, with_backward
 
 __all__ = [
     "alibi",
@@ -257,7 +257,8 @@ def alibi(slopes: Array) -> Any:
     ----------
     slopes : real array, shape (H,)
         One slope per head (:func:`alibi_slopes`), of the inputs' backend
-        and dtype; gradients reach it where the backend has autograd.
+        and dtype; gradients reach it where the backend has autograd, and
+        through :func:`attnx.vjp` on every backend (``grads["score_mod"]["slopes"]``).
 
     Returns
     -------
@@ -288,6 +289,12 @@ def alibi(slopes: Array) -> Any:
         distance = _checks.namespace_of(score).astype(kv_idx - q_idx, score.dtype)
         return score + slopes[h] * distance
 
+    def backward(d_score: Any, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> tuple[Any, dict[str, Any]]:
+        xp = _checks.namespace_of(d_score)
+        distance = xp.astype(kv_idx - q_idx, d_score.dtype)
+        return d_score, {"slopes": xp.sum(d_score * distance, axis=(0, 2, 3))}  # a tile (B, H, rows, cols)
+
+    with_backward(alibi_bias, backward, slopes=slopes)
     return for_sizes(alibi_bias, ("alibi", "slopes", "H", slopes.shape[0]))
 
 
@@ -366,7 +373,11 @@ def soft_cap(cap: float) -> Any:
     def capped(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return cap * _checks.namespace_of(score).tanh(score / cap)
 
-    return capped
+    def backward(d_score: Any, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> tuple[Any, dict[str, Any]]:
+        squashed = _checks.namespace_of(score).tanh(score / cap)
+        return d_score * (1.0 - squashed * squashed), {}
+
+    return with_backward(capped, backward)
 
 
 def relative_bias(table: Array) -> Any:

@@ -461,3 +461,66 @@ def test_flex_gradients_walk_the_block_masks_blocks(attnx_backend, dropout_p):
         summed = expected[name].reshape(1, kv_heads, group, m, -1).sum(axis=2)
         assert_close(grads[name], summed, be, dtype, like=arrays[name], scale=4.0)
     assert_close(grads["scale"], expected["scale"], be, dtype, scale=16.0)
+
+
+@pytest.mark.parametrize("mod", ["alibi", "soft_cap"])
+def test_flex_gradients_reach_the_score_mods_tables(attnx_backend, mod):
+    """``attnx.vjp`` of flex attention with the score_mods of attnx.mods
+    that carry their backward: ALiBi's slopes get their gradient under
+    ``"score_mod"``, and the soft cap's derivative reaches the inputs;
+    against central differences of the float64 reference."""
+    be = attnx_backend
+    if mod == "alibi":
+        _indexable(be)
+    dtype = be.dtype("float64")
+    batch, heads, kv_heads, n, m = 2, 4, 2, 7, 9
+    gen = rng(63, len(mod))
+    arguments = {
+        "query": gen.standard_normal((batch, heads, n, 4)),
+        "key": gen.standard_normal((batch, kv_heads, m, 4)) * 2.0,  # scores past the cap
+        "value": gen.standard_normal((batch, kv_heads, m, 3)),
+    }
+    if mod == "alibi":
+        arguments["params"] = {"slopes": gen.random(heads)}
+    arguments = {
+        k: (rounded(v, be, dtype) if k != "params" else {p: rounded(a, be, dtype) for p, a in v.items()})
+        for k, v in arguments.items()
+    }
+    block_mask = attnx.create_block_mask(attnx.mods.causal, None, None, n, m, block_size=(2, 3), device=be.device)
+    score_mod = (
+        attnx.mods.alibi(be.array(arguments["params"]["slopes"], dtype)) if mod == "alibi" else attnx.mods.soft_cap(1.5)
+    )
+    output, backward = attnx.vjp(
+        attnx.flex_attention,
+        *(be.array(arguments[k], dtype) for k in ("query", "key", "value")),
+        score_mod,
+        block_mask,
+        enable_gqa=True,
+    )
+    cotangent = rounded(gen.standard_normal((batch, heads, n, 3)), be, dtype)
+    grads = backward(be.array(cotangent, dtype))
+    assert sorted(grads) == (["key", "query", "score_mod", "value"] if mod == "alibi" else ["key", "query", "value"])
+    if mod == "alibi":
+        grads["params"] = grads.pop("score_mod")  # the shape _directional_check reads
+    allowed = np.arange(m)[None, :] <= np.arange(n)[:, None]
+
+    def loss(query, key, value, params=None):
+        def score(scores, b, h, i, j):
+            if mod == "alibi":
+                return scores + params["slopes"][h] * (j - i)
+            return 1.5 * np.tanh(scores / 1.5)
+
+        out, _ = reference.flex_attention(query, key, value, score=score, allowed=allowed)
+        return float((out * cotangent).sum())
+
+    _directional_check(be, grads, loss, arguments, gen)
+
+
+def _indexable(be):
+    """Skip where the backend's arrays can't be indexed by an n-d integer
+    array (``slopes[h]``)."""
+    table, index = be.array(np.arange(3)), be.xp.reshape(be.array(np.arange(2)), (1, 2))
+    try:
+        table[index]
+    except Exception as error:  # the library's own refusal, reported as the reason
+        pytest.skip(f"{be.name} arrays can't be indexed by an n-d integer array ({type(error).__name__}: {error})")
