@@ -12,7 +12,6 @@ as ``is_causal=True`` or as a block mask is skipped by the same code.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -543,6 +542,7 @@ class KeyBlocks:
 
     def __init__(self, xp: Any, lead: tuple[int, ...], bounds: list[int], width: int, dtype: Any, device: Any) -> None:
         self.xp, self.lead, self.bounds, self.width = xp, tuple(lead), bounds, width
+        self.index_of = {bound: index for index, bound in enumerate(bounds)}  # no bisect: dynamo can't trace it
         self.dtype, self.device = dtype, device
         self.blocks: dict[int, Any] = {}
 
@@ -554,7 +554,7 @@ class KeyBlocks:
         if tuple(part.shape[:-2]) != self.lead:
             part = self.xp.broadcast_to(part, (*self.lead, c1 - c0, self.width))
         bounds = self.bounds
-        for index in range(bisect.bisect_left(bounds, c0), bisect.bisect_left(bounds, c1)):
+        for index in range(self.index_of[c0], self.index_of[c1]):
             b0, b1 = bounds[index], bounds[index + 1]
             piece = part if (b0, b1) == (c0, c1) else part[..., b0 - c0 : b1 - c0, :]
             held = self.blocks.get(index)

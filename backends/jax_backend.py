@@ -15,6 +15,9 @@ align it alike (``n == m``).  On the CPU attnx's own algorithm, jitted, runs
 instead: at (1, 8, 2048, 64) float32 on 2 cores it took 0.41x the time of
 jitted ``jax.nn.dot_product_attention`` (0.47x causal) in one run, though
 1.5x at n = 512 (0.66x causal); see ``docs/archive/bench-sessions.md``.
+Where attnx would cut the scores into tiles, those run in JAX's loops
+with their own backward (:mod:`.jax_flash`), so that ``jax.grad`` keeps
+no tile.
 """
 
 from __future__ import annotations
@@ -227,7 +230,7 @@ def _scaled_dot_product_attention(
     import jax
 
     if jax.default_backend() not in NATIVE_PLATFORMS:
-        return NotImplemented
+        return _flash(query, key, value, is_causal, scale, chunks, chunk_size)
     n, m = query.shape[-2], key.shape[-2]
     if (is_causal and n != m) or n == 0 or m == 0 or query.ndim != 4:
         return NotImplemented
@@ -249,6 +252,34 @@ def _scaled_dot_product_attention(
         is_causal=is_causal,
     )
     return jnp.swapaxes(output, 1, 2)
+
+
+#: Queries and keys per block of :mod:`.jax_flash`: of (128, 128) to
+#: (1024, 1024), the fastest on 2 CPU cores at (1, 2, 8192, 64) causal,
+#: jitted forward and backward, and at (1, 8, 2048, 64) and (16, 8, 1024,
+#: 64) forward (within the host's noise of the best there).
+FLASH_BLOCKS = (512, 256)
+
+
+def _flash(query: Any, key: Any, value: Any, is_causal: bool, scale: Any, chunks: Any, chunk_size: Any) -> Any:
+    """attnx's tiles in JAX's loops (:mod:`.jax_flash`) where attnx would
+    cut the work into tiles (``chunks``): XLA runs them as loops, and
+    ``jax.grad`` keeps no tile.  Measured jitted on 2 CPU cores, forward and
+    backward of a causal (1, 2, 8192, 64) float32 call: 6 MiB of temporaries
+    (XLA's memory analysis) where attnx's unrolled tiles took 892 MiB and
+    ``jax.nn.dot_product_attention`` 1,540 MiB."""
+    if chunks is None or chunk_size is not None or not isinstance(scale, float) or query.ndim < 3:
+        # One block (small calls), tiles the user sized for attnx's own algorithm (and the
+        # conformance suite's small ones, which would each compile the loops), or a traced
+        # scale: the generic algorithm.
+        return NotImplemented
+    if not tuple(query.shape[:-2]) == tuple(key.shape[:-2]) == tuple(value.shape[:-2]):
+        return NotImplemented  # broadcast leading dimensions (grouped heads): the generic algorithm
+    if 0 in (query.shape[-2], key.shape[-2]) or str(query.dtype) not in ("float32", "float64"):
+        return NotImplemented  # half precision computes in float32 in the generic algorithm
+    from .jax_flash import attention
+
+    return attention(query, key, value, scale=scale, is_causal=is_causal, blocks=FLASH_BLOCKS)
 
 
 def _outside_traces() -> bool:
