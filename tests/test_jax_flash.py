@@ -22,6 +22,12 @@ def _temporaries(attention, shape):
     return gradient.lower(*inputs).compile().memory_analysis().temp_size_in_bytes
 
 
+def _generic(q, k, v, *, is_causal, scale, chunks=None):
+    """attnx's algorithm itself, in attnx's tiles where ``chunks`` are given."""
+    arguments = {"mask": None, "key_lengths": None, "return_weights": False, "chunks": chunks}
+    return sdpa_generic(jnp, query=q, key=k, value=v, is_causal=is_causal, scale=scale, **arguments)
+
+
 def _scores_bytes(shape):
     """One float32 score matrix of ``(B, H, n, d)`` inputs."""
     return shape[0] * shape[1] * shape[2] ** 2 * 4
@@ -38,21 +44,7 @@ def test_the_jitted_backward_keeps_no_tile():
     flash = _temporaries(lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, is_causal=True), SHAPE)
     assert flash <= 64 * 2**20, f"{flash / 2**20:.1f} MiB of temporaries"
     small = (1, 2, 1024, 64)
-    unrolled = _temporaries(
-        lambda q, k, v: sdpa_generic(
-            jnp,
-            query=q,
-            key=k,
-            value=v,
-            mask=None,
-            key_lengths=None,
-            is_causal=True,
-            scale=0.125,
-            return_weights=False,
-            chunks=(256, 1024),
-        ),
-        small,
-    )
+    unrolled = _temporaries(lambda q, k, v: _generic(q, k, v, is_causal=True, scale=0.125, chunks=(256, 1024)), small)
     assert unrolled > _scores_bytes(small) / 2, f"{unrolled / 2**20:.1f} MiB: the measure should see the tiles"
 
 
@@ -68,23 +60,10 @@ def test_blocks_that_divide_nothing_give_attnxs_function(n, m, is_causal):
         for shape in ((2, 3, n, 4), (2, 3, m, 4), (2, 3, m, 5), (2, 3, n, 5))
     )
 
-    def generic(q, k, v):
-        return sdpa_generic(
-            jnp,
-            query=q,
-            key=k,
-            value=v,
-            mask=None,
-            key_lengths=None,
-            is_causal=is_causal,
-            scale=0.5,
-            return_weights=False,
-        )
-
     flash_output, flash_backward = jax.vjp(
         lambda q, k, v: attention(q, k, v, scale=0.5, is_causal=is_causal, blocks=(3, 2)), q, k, v
     )
-    output, backward = jax.vjp(generic, q, k, v)
+    output, backward = jax.vjp(lambda q, k, v: _generic(q, k, v, is_causal=is_causal, scale=0.5), q, k, v)
     np.testing.assert_allclose(flash_output, output, rtol=1e-5, atol=1e-6)
     for got, expected in zip(flash_backward(cotangent), backward(cotangent)):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
