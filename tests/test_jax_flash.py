@@ -52,7 +52,7 @@ def test_the_jitted_backward_keeps_no_tile():
 def test_blocks_that_divide_nothing_give_attnxs_function(n, m, is_causal):
     """Padded blocks, rows with no key (causal n > m): the outputs and the
     gradients of the generic algorithm."""
-    from backends.jax_flash import attention
+    from attnx_backends.jax_flash import attention
 
     rng = np.random.default_rng(n * m)
     q, k, v, cotangent = (
