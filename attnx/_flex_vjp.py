@@ -58,7 +58,7 @@ def flex_attention_vjp(
                 f"{chosen.name!r}: attnx differentiates the score_mods of attnx.mods that say how (alibi, soft_cap); "
                 "PyTorch's and JAX's autograd differentiate any score_mod, and what it closes over"
             )
-    xp, scale = chosen.xp, arguments["scale"]
+    xp, given_scale, scale = chosen.xp, scale, arguments["scale"]
     plan = flex_tiles(
         xp,
         query=query,
@@ -72,7 +72,7 @@ def flex_attention_vjp(
     tables = {} if mod is None else mod[1]
     if plan is None:  # an axis of size 0: zeros, and zero gradients
         output = xp.zeros(empty_shape(query, key, value), dtype=query.dtype, device=_checks.device_of(query))
-        return output, _backward(operation, xp, query, key, value, scale, tables, output, None)
+        return output, _backward(operation, xp, query, key, value, given_scale, tables, output, None)
     grouped_output, stats = _tiling.attend_tiles(
         xp,
         plan.query,
@@ -107,7 +107,7 @@ def flex_attention_vjp(
         summed = {name: sum(part[name] for part in table_parts[1:]) + table_parts[0][name] for name in tables}
         return (*gradients, summed)
 
-    return output, _backward(operation, xp, query, key, value, scale, tables, output, tiled)
+    return output, _backward(operation, xp, query, key, value, given_scale, tables, output, tiled)
 
 
 def _score_vjp(xp: Any, chosen: Any, backward: Any, plan: Any, table_parts: list[dict[str, Any]]) -> Any:
@@ -146,13 +146,15 @@ def _backward(
     heads' key/value gradients summed over the query heads that share them,
     each summed to its argument's (broadcast) shape, and the score_mod's
     ``tables``' under ``"score_mod"``."""
-    scale_is_array = not isinstance(scale, int | float)
+    # A 0-d array, or NumPy's scalar (what arithmetic on a 0-d array gives
+    # back): a training loop's updated scale keeps its gradient, as SDPA's.
+    scale_is_array = scale is not None and type(scale) not in (int, float)
 
     def backward(cotangent: Any) -> dict[str, Any]:
         _cotangents.require(operation, cotangent, output)
         grads = {name: xp.zeros_like(array) for name, array in (("query", query), ("key", key), ("value", value))}
         if scale_is_array:
-            grads["scale"] = xp.zeros_like(scale)
+            grads["scale"] = xp.zeros((), dtype=query.dtype, device=_checks.device_of(query))
         if tables:
             grads["score_mod"] = {name: xp.zeros_like(table) for name, table in tables.items()}
         if tiled is None:
@@ -166,7 +168,7 @@ def _backward(
         grads["key"] = _cotangents.like(xp, xp.sum(d_key, axis=2), key)
         grads["value"] = _cotangents.like(xp, xp.sum(d_value, axis=2), value)
         if scale_is_array:
-            grads["scale"] = _cotangents.like(xp, d_scale, scale)
+            grads["scale"] = _cotangents.like(xp, d_scale, scale) if hasattr(scale, "shape") else d_scale
         return grads
 
     return backward
