@@ -69,14 +69,7 @@ def scaled_dot_product_attention_vjp(
     )
     scale_value, batch_shape, n, m = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
     # The forward's mask, made again tile by tile (the forward checked the arguments)
-    dropout = _dropout.make(
-        xp,
-        float(dropout_p),
-        dropout_seed,
-        batch_shape,
-        _checks.device_of(query),
-        _checks.accumulation_dtype(xp, query.dtype),
-    )
+    dropout = _dropout.make(xp, float(dropout_p), dropout_seed, batch_shape, query)
     block_bytes = chosen.block_bytes_on(_checks.device_of(query))
     if _checks.traced(query):
         block_bytes = max(block_bytes, _tiling.TRACED_BLOCK_BYTES)

@@ -140,11 +140,17 @@ def call(
     generic: Callable[..., Any],
     arguments: dict[str, Any],
     generic_options: dict[str, Any] | None = None,
+    generic_for: str | None = None,
 ) -> Any:
     """Run the backend's native implementation of ``operation`` if it has one
     that accepts the call, else ``generic(xp, **arguments, **generic_options)``
     (options for the generic algorithm only, such as the backend's
-    ``map_blocks``)."""
+    ``map_blocks``).  ``generic_for`` names what only the generic algorithm
+    does (``"dropout"``: natives' kernels draw their masks their own way):
+    the natives are then not asked."""
+    if generic_for is not None:
+        log_choice(operation, backend.name, reason, f"generic, for {generic_for}")
+        return generic(backend.xp, **arguments, **(generic_options or {}))
     native = backend.implementations().get(operation)
     if native is not None:
         result = native(**arguments)

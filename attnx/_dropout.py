@@ -83,18 +83,18 @@ def seed_array(dropout_seed: Any) -> Any:
     return dropout_seed if getattr(dropout_seed, "ndim", None) is not None else None
 
 
-def _shifted(xp: Any, words: Any, bits: int) -> Any:
+def _shifted(words: Any, bits: int) -> Any:
     """The logical right shift of unsigned words held in int32."""
     return (words >> bits) & ((1 << (32 - bits)) - 1)
 
 
-def mix(xp: Any, words: Any) -> Any:
-    """lowbias32 of unsigned words held in an int32 array."""
-    words = words ^ _shifted(xp, words, 16)
+def mix(words: Any) -> Any:
+    """lowbias32 of unsigned words held in an int32 array (operators only)."""
+    words = words ^ _shifted(words, 16)
     words = words * _MULTIPLY_1
-    words = words ^ _shifted(xp, words, 15)
+    words = words ^ _shifted(words, 15)
     words = words * _MULTIPLY_2
-    return words ^ _shifted(xp, words, 16)
+    return words ^ _shifted(words, 16)
 
 
 def _as_word(value: int) -> int:
@@ -110,17 +110,17 @@ class Dropout:
 
     def __init__(self, xp: Any, p: float, seed: Any, batch_shape: tuple[int, ...], device: Any, dtype: Any) -> None:
         self.xp, self.p, self.device, self.dtype = xp, p, device, dtype
-        self.batch_shape = tuple(batch_shape)
-        int32, ndim = xp.int32, len(self.batch_shape) + 2
+        batch_shape = tuple(batch_shape)
+        int32, ndim = xp.int32, len(batch_shape) + 2
         if isinstance(seed, int):
             key = xp.asarray(_as_word(seed), dtype=int32, device=device)
         else:
             key = xp.astype(seed, int32) if seed.dtype != int32 else seed
         # Never 0-d: NumPy computes 0-d arrays as scalars, which warn where they wrap.
-        key = mix(xp, xp.reshape(key, (1,) * ndim))
-        slices = xp.arange(math.prod(self.batch_shape), dtype=int32, device=device)
+        key = mix(xp.reshape(key, (1,) * ndim))
+        slices = xp.arange(math.prod(batch_shape), dtype=int32, device=device)
         #: (*batch_shape, 1, 1): one key per slice, from its index in the leading shape's order.
-        self.slice_keys = mix(xp, key ^ xp.reshape(slices, (*self.batch_shape, 1, 1)))
+        self.slice_keys = mix(key ^ xp.reshape(slices, (*batch_shape, 1, 1)))
         # Kept where the word >= threshold: compared as signed after the sign bit flips.
         self.threshold = round(p * 2**32) + _SIGN
         self.keep_scale = 1.0 / (1.0 - p) if p < 1.0 else 0.0
@@ -130,7 +130,6 @@ class Dropout:
         attention's heads as ``(H_kv, G)``), in order."""
         copy = object.__new__(Dropout)
         copy.__dict__.update(self.__dict__)
-        copy.batch_shape = tuple(batch_shape)
         copy.slice_keys = self.xp.reshape(self.slice_keys, (*batch_shape, 1, 1))
         return copy
 
@@ -143,11 +142,15 @@ class Dropout:
             return xp.zeros((*keys.shape[:-2], rows[1] - rows[0], cols[1] - cols[0]), dtype=self.dtype, device=device)
         query_index = xp.reshape(xp.arange(rows[0], rows[1], dtype=int32, device=device), (-1, 1))
         key_index = xp.reshape(xp.arange(cols[0], cols[1], dtype=int32, device=device), (1, -1))
-        words = mix(xp, mix(xp, keys ^ query_index) ^ mix(xp, key_index ^ _COLUMN))
+        words = mix(mix(keys ^ query_index) ^ mix(key_index ^ _COLUMN))
         kept = (words ^ _SIGN) >= self.threshold
         return xp.astype(kept, self.dtype) * self.keep_scale
 
 
-def make(xp: Any, p: float, seed: Any, batch_shape: tuple[int, ...], device: Any, dtype: Any) -> Dropout | None:
-    """The call's :class:`Dropout`, None where ``p`` is 0 (nothing to do)."""
-    return Dropout(xp, p, seed, batch_shape, device, dtype) if p > 0.0 else None
+def make(xp: Any, p: float, seed: Any, batch_shape: tuple[int, ...], query: Any) -> Dropout | None:
+    """The call's :class:`Dropout` for weights over ``batch_shape``, on
+    ``query``'s device in its accumulation dtype; None where ``p`` is 0
+    (nothing to do)."""
+    if not p:
+        return None
+    return Dropout(xp, p, seed, batch_shape, _checks.device_of(query), _checks.accumulation_dtype(xp, query.dtype))

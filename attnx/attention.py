@@ -231,27 +231,14 @@ def scaled_dot_product_attention(
         plan = _plans.make(_SDPA, signature, chosen, reason, arguments)
         if plan is not None:
             return plan(query, key, value)
-    if dropout_p:
-        device, compute = _checks.device_of(query), _checks.accumulation_dtype(xp, query.dtype)
-        dropout = _dropout.make(xp, dropout_p, dropout_seed, batch_shape, device, compute)
-        _dispatch.log_choice(_SDPA, chosen.name, reason, "generic, for dropout")
+    options = {}
+    if chunks is not None:
         options = {"map_blocks": chosen.map_blocks, "concurrent_blocks": chosen.concurrent_blocks}
         options.update(block_bytes=block_bytes, custom_vjp=chosen.custom_vjp)
-        return sdpa_generic(xp, **arguments, **(options if chunks is not None else {}), dropout=dropout)
+    if dropout_p:
+        options["dropout"] = _dropout.make(xp, dropout_p, dropout_seed, batch_shape, query)
     return _dispatch.call(
-        _SDPA,
-        chosen,
-        reason,
-        sdpa_generic,
-        arguments,
-        {
-            "map_blocks": chosen.map_blocks,
-            "concurrent_blocks": chosen.concurrent_blocks,
-            "block_bytes": block_bytes,
-            "custom_vjp": chosen.custom_vjp,
-        }
-        if chunks is not None
-        else None,
+        _SDPA, chosen, reason, sdpa_generic, arguments, options, generic_for="dropout" if dropout_p else None
     )
 
 

@@ -706,10 +706,10 @@ def flex_attention(
         dropout_seed,
         backend,
     )
-    if dropout is not None:  # natives' kernels draw their masks their own way
-        _dispatch.log_choice(_FLEX, chosen.name, reason, "generic, for dropout")
-        return _flex_generic(chosen.xp, **arguments, backend=chosen, dropout=dropout)
-    return _dispatch.call(_FLEX, chosen, reason, _flex_generic, arguments, {"backend": chosen})
+    if dropout is None:
+        return _dispatch.call(_FLEX, chosen, reason, _flex_generic, arguments, {"backend": chosen})
+    options = {"backend": chosen, "dropout": dropout}
+    return _dispatch.call(_FLEX, chosen, reason, _flex_generic, arguments, options, generic_for="dropout")
 
 
 def validated_call(
@@ -775,11 +775,7 @@ def validated_call(
         "enable_gqa": enable_gqa,
         "return_weights": return_weights,
     }
-    dropout = None
-    if dropout_p:
-        compute = _checks.accumulation_dtype(xp, query.dtype)
-        dropout = _dropout.make(xp, dropout_p, dropout_seed, (batch, heads), _checks.device_of(query), compute)
-    return chosen, reason, arguments, dropout
+    return chosen, reason, arguments, _dropout.make(xp, dropout_p, dropout_seed, (batch, heads), query)
 
 
 def _check_flex_inputs(

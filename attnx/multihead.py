@@ -176,10 +176,10 @@ def multi_head_attention(
         "add_zero_attn": add_zero_attn,
         "chunk_size": chunk_size,
     }
-    if dropout_p:  # natives' kernels draw their masks their own way
-        _dispatch.log_choice(_MHA, chosen.name, reason, "generic, for dropout")
-        return _multi_head_generic(xp, **arguments, dropout_p=dropout_p, dropout_seed=dropout_seed)
-    return _dispatch.call(_MHA, chosen, reason, _multi_head_generic, arguments)
+    if not dropout_p:
+        return _dispatch.call(_MHA, chosen, reason, _multi_head_generic, arguments)
+    options = {"dropout_p": dropout_p, "dropout_seed": dropout_seed}
+    return _dispatch.call(_MHA, chosen, reason, _multi_head_generic, arguments, options, generic_for="dropout")
 
 
 def check_multi_head(
