@@ -6,6 +6,7 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -241,10 +242,15 @@ class Registry:
         """Whether more than one available backend owns arrays of type ``kind``."""
         return kind in self._shared_types
 
-    def info(self) -> list[BackendInfo]:
+    def info(self, names: Collection[str] | None = None) -> list[BackendInfo]:
+        """Each backend's record; of registered backends, only ``names``'
+        where given (asking a backend whether it is available imports its
+        library: seconds for PyTorch)."""
         self._ensure_loaded()
         rows = []
         for name, entry in self._entries.items():
+            if names is not None and name not in names:
+                continue
             reason = entry.reason()
             version = devices = None
             if reason is None:

@@ -142,7 +142,7 @@ def selection_problem(
     import attnx
     from attnx.backend import device_label
 
-    infos = {info.name: info for info in attnx.list_backends()}
+    infos = {info.name: info for info in attnx._registry.info(names)}
     registered = attnx._registry.names()
     for name in names:
         if name not in registered:
@@ -176,9 +176,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         return []
     import attnx
 
-    infos = {info.name: info for info in attnx.list_backends()}
+    names = selected_backends(config)
+    infos = {info.name: info for info in attnx._registry.info(names)}
     lines = [f"attnx {attnx.__version__}; backends under test:"]
-    for name in selected_backends(config):
+    for name in names:
         info = infos.get(name)
         if info is None:
             lines.append(f"  {name}: not registered")
@@ -386,7 +387,7 @@ def untested_backends(config: pytest.Config) -> list[str]:
     allowed = config.getoption("--attnx-allow-unavailable", default=False)
     import attnx
 
-    available = {info.name for info in attnx.list_backends() if info.available}
+    available = {info.name for info in attnx._registry.info(names) if info.available}
     return [n for n in names if _RAN_COUNTS[n] == 0 and not (allowed and n not in available)]
 
 
