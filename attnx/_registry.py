@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from dataclasses import dataclass, field
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
