@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from attnx import _checks, _cotangents, _dispatch, _dropout, _tiling
+from attnx import _checks, _cotangents, _dispatch, _dropout, _grouping, _masking, _tiling
 from attnx.attention import (
     _SDPA,
     _SDPA_ARGS,
@@ -32,7 +32,9 @@ def scaled_dot_product_attention_vjp(
     mask: Any = None,
     key_lengths: Any = None,
     is_causal: bool = False,
+    causal_align: str = "bottom_right",
     scale: Any = None,
+    enable_gqa: bool = False,
     return_weights: bool = False,
     chunk_size: Any = None,
     dropout_p: float = 0.0,
@@ -54,20 +56,41 @@ def scaled_dot_product_attention_vjp(
             f"{operation}: return_weights=True has two outputs; differentiate the weights through attnx.masked_softmax"
         )
     real_mask = mask is not None and _checks.is_float_dtype(xp, mask.dtype)
-    output = scaled_dot_product_attention(
+    given_output = output = scaled_dot_product_attention(
         query,
         key,
         value,
         mask=mask,
         key_lengths=key_lengths,
         is_causal=is_causal,
+        causal_align=causal_align,
         scale=scale,
+        enable_gqa=enable_gqa,
         chunk_size=chunk_size,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         backend=backend,
     )
-    scale_value, batch_shape, n, m = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
+    scale_value, batch_shape, n, m = check_attention_inputs(
+        _SDPA, xp, query, key, value, mask, key_lengths, scale, enable_gqa=enable_gqa
+    )
+    if causal_align == "key_lengths":  # as the forward computed it
+        key_lengths, is_causal = _masking.causal_by_lengths(xp, key_lengths, batch_shape, n), False
+    given = {"query": query, "key": key, "value": value, "mask": mask}  # the shapes the gradients take
+    if enable_gqa:  # the broadcasting call that computed it (attnx._grouping)
+        query, key, value, mask, key_lengths, is_causal, batch_shape, n = _grouping.regroup(
+            xp,
+            query=query,
+            key=key,
+            value=value,
+            mask=mask,
+            key_lengths=key_lengths,
+            is_causal=is_causal,
+            batch_shape=batch_shape,
+            n=n,
+            fold=not dropout_p,
+        )
+        output = xp.reshape(output, (*batch_shape, n, output.shape[-1]))
     # The forward's mask, made again tile by tile (the forward checked the arguments)
     dropout = _dropout.make(xp, float(dropout_p), dropout_seed, batch_shape, query)
     block_bytes = chosen.block_bytes_on(_checks.device_of(query))
@@ -88,7 +111,9 @@ def scaled_dot_product_attention_vjp(
     )
 
     def backward(cotangent: Any) -> dict[str, Any]:
-        _cotangents.require(operation, cotangent, output)
+        _cotangents.require(operation, cotangent, given_output)
+        if enable_gqa:
+            cotangent = xp.reshape(cotangent, tuple(output.shape))
         d_query, d_key, d_value, d_scale, *d_mask = _tiling.backward_tiles(
             xp,
             query,
@@ -113,15 +138,17 @@ def scaled_dot_product_attention_vjp(
             "key": _cotangents.like(xp, d_key, key),
             "value": _cotangents.like(xp, d_value, value),
         }
+        if real_mask:  # added to the scores: their gradient, summed where it broadcasts
+            grads["mask"] = _cotangents.like(xp, d_mask[0], mask)
+        if enable_gqa:
+            grads = {name: xp.reshape(grad, tuple(given[name].shape)) for name, grad in grads.items()}
         # A 0-d array, or NumPy's scalar (what arithmetic on a 0-d array gives
         # back): a training loop's updated scale keeps its gradient.
         if scale is not None and type(scale) not in (int, float):
             grads["scale"] = _cotangents.like(xp, d_scale, scale) if chosen.owns(scale) else d_scale
-        if real_mask:  # added to the scores: their gradient, summed where it broadcasts
-            grads["mask"] = _cotangents.like(xp, d_mask[0], mask)
         return grads
 
-    return output, backward
+    return given_output, backward
 
 
 def masked_softmax_vjp(

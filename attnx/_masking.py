@@ -155,7 +155,7 @@ def check_mask(
             )
 
 
-def _lengths_layout(shape: tuple[int, ...], batch_shape: tuple[int, ...], n: int) -> str | None:
+def lengths_layout(shape: tuple[int, ...], batch_shape: tuple[int, ...], n: int) -> str | None:
     if len(shape) == 1 and len(batch_shape) > 1 and shape[0] == batch_shape[0]:
         return "batch_first"
     if len(shape) == len(batch_shape) + 1 and shape[-1] in (n, 1):
@@ -178,7 +178,7 @@ def check_lengths(operation: str, xp: Any, key_lengths: Any, batch_shape: tuple[
     if dtype_kind(xp, key_lengths) != "int":
         raise TypeError(f"{operation}: key_lengths must have an integer dtype, got {dtype_name(key_lengths)}")
     shape = shape_of(key_lengths)
-    if _lengths_layout(shape, batch_shape, n) is None:
+    if lengths_layout(shape, batch_shape, n) is None:
         first = f"({batch_shape[0]},), " if batch_shape else ""
         raise ValueError(
             f"{operation}: key_lengths must have shape {first}the leading shape {batch_shape} "
@@ -256,11 +256,45 @@ def key_counts(
     return counts
 
 
+#: ``causal_align``: the causal rule aligned to the end of all ``m`` keys, or
+#: to the end of each sequence's own ``key_lengths`` (decoding a batch of
+#: caches of different lengths).
+CAUSAL_ALIGNS = ("bottom_right", "key_lengths")
+
+
+def check_causal_align(operation: str, causal_align: Any, is_causal: bool, key_lengths: Any) -> None:
+    if causal_align == "bottom_right":
+        return
+    if causal_align not in CAUSAL_ALIGNS:
+        raise ValueError(
+            f"{operation}: causal_align must be one of {', '.join(map(repr, CAUSAL_ALIGNS))}, got {causal_align!r}"
+        )
+    if is_causal is not True:
+        raise ValueError(f"{operation}: causal_align={causal_align!r} aligns the causal rule: pass is_causal=True too")
+    if key_lengths is None:
+        raise ValueError(
+            f"{operation}: causal_align={causal_align!r} aligns each query to the end of its own keys: give key_lengths"
+        )
+
+
+def causal_by_lengths(xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int) -> Any:
+    """The causal rule aligned to the end of each sequence's own keys
+    (``causal_align="key_lengths"``), with their padding, as one length per
+    query: the query in row ``i`` of ``n``, with ``L`` keys, attends the keys
+    ``j <= i + L - n``, a prefix (the last query all ``L``; none where ``i +
+    L < n``).  In ``key_lengths``' per-query layout ``(*batch_shape, n)``
+    (broadcastable), so that every backend computes it as padding."""
+    lengths = xp.astype(aligned_lengths(xp, key_lengths, batch_shape, n)[..., 0], xp.int64)
+    counts = lengths + xp.arange(1 - n, 1, dtype=xp.int64, device=device_of(lengths))
+    counts = xp.where(counts < 0, xp.zeros_like(counts), counts)
+    return xp.reshape(counts, (1,) * (len(batch_shape) + 1 - counts.ndim) + tuple(counts.shape))
+
+
 def aligned_lengths(xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n: int, rows: Span | None = None) -> Any:
     """``key_lengths``, in any layout attnx accepts, broadcastable to
     ``(*batch_shape, n, 1)`` (or to the block of queries ``rows``): the
     length that each query's keys are cut to."""
-    layout = _lengths_layout(shape_of(key_lengths), batch_shape, n)
+    layout = lengths_layout(shape_of(key_lengths), batch_shape, n)
     if layout == "batch_first":
         key_lengths = xp.reshape(key_lengths, (key_lengths.shape[0],) + (1,) * (len(batch_shape) - 1))
     if layout == "per_query":
@@ -283,7 +317,7 @@ def batch_block(array: Any, batch_ndim: int, core_ndim: int, batch: Span) -> Any
 
 def lengths_batch_block(key_lengths: Any, batch_shape: tuple[int, ...], n: int, batch: Span) -> Any:
     """``key_lengths`` for the entries ``batch`` of the first batch axis."""
-    layout = _lengths_layout(shape_of(key_lengths), batch_shape, n)
+    layout = lengths_layout(shape_of(key_lengths), batch_shape, n)
     if layout == "batch_first":
         return key_lengths[batch[0] : batch[1]]
     return batch_block(key_lengths, len(batch_shape), 1 if layout == "per_query" else 0, batch)

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from attnx import _checks, _dispatch, _dropout, _masking, _plans, _tiling, _tracing
+from attnx import _checks, _dispatch, _dropout, _grouping, _masking, _plans, _tiling, _tracing
 from attnx._tiling import KEY_CHUNK, MIN_ROWS
 from attnx._typing import Array
 
@@ -24,7 +24,9 @@ def scaled_dot_product_attention(
     mask: Array = None,
     key_lengths: Array = None,
     is_causal: bool = False,
+    causal_align: str = "bottom_right",
     scale: float | Array | None = None,
+    enable_gqa: bool = False,
     return_weights: bool = False,
     chunk_size: int | tuple[int, int] | None = None,
     dropout_p: float = 0.0,
@@ -55,10 +57,23 @@ def scaled_dot_product_attention(
         to the end, the usual lower triangle when ``n == m`` and right for
         decoding with cached keys.  (PyTorch aligns to the start; pass
         ``mask=attnx.masks.causal(n, m, align="top_left")`` for that.)
+    causal_align : {"bottom_right", "key_lengths"}
+        With ``is_causal=True``, what the last query is aligned to: the
+        last of the ``m`` keys (the default), or the last of each
+        sequence's own ``key_lengths`` (decoding, or prefill in chunks, over
+        caches of different lengths: the ``n`` queries are the last ``n``
+        tokens of each sequence, FlashAttention's ``seqused_k``).  Query
+        ``i`` of a sequence of ``L`` keys then attends ``j <= i + L - n``.
     scale : float or 0-d array, optional
         Multiplies the scores; ``1 / sqrt(d_k)`` by default.  A 0-d array of
         the inputs' backend may be traced (``jax.jit``, ``torch.compile``)
         and receives gradients.
+    enable_gqa : bool
+        Grouped-query attention, as PyTorch's: ``query (..., H, n, d_k)``
+        against ``key (..., H_kv, m, d_k)`` and ``value (..., H_kv, m,
+        d_v)``, where query head ``h`` reads key/value head ``h // (H /
+        H_kv)``, without copying keys or values.  A mask's or
+        ``key_lengths``' head axis has size ``H`` (or 1).
     return_weights : bool
         Also return the attention weights.
     chunk_size : int or (int, int), optional
@@ -103,6 +118,10 @@ def scaled_dot_product_attention(
         the leading shapes do not broadcast, ``mask`` does not broadcast to
         ``(..., n, m)``, ``key_lengths`` has another shape, or ``chunk_size``
         is not positive or is combined with ``return_weights=True``,
+        ``enable_gqa=True`` is given inputs of fewer than 3 dimensions or
+        ``H`` not a multiple of ``H_kv``, ``causal_align`` is not one of
+        its values or is ``"key_lengths"`` without ``is_causal=True`` and
+        ``key_lengths``,
         ``dropout_p`` lies outside ``[0, 1]`` or comes without a
         ``dropout_seed``; and, on
         arrays whose values can be read (not traced, not lazy), if a
@@ -172,11 +191,13 @@ def scaled_dot_product_attention(
         type(query) in _plans.planning_types
         and mask is None
         and key_lengths is None
+        and causal_align == "bottom_right"
         and chunk_size is None
         and not dropout_p
         and (scale is None or type(scale) is float)
         and type(is_causal) is bool
         and type(return_weights) is bool
+        and enable_gqa is False
         and (backend is None or type(backend) is str)
         and not _tracing.compiling()  # a compiled graph checks once anyway, and must not guard on the plans
     ):
@@ -193,12 +214,35 @@ def scaled_dot_product_attention(
     xp = chosen.xp
     if dropout_p or dropout_seed is not None:
         dropout_p = _dropout.require_dropout(_SDPA, xp, dropout_p, dropout_seed, chosen.owns)
-    if is_causal is not False or return_weights is not False:  # the common call skips the checks
+    if (
+        is_causal is not False or return_weights is not False or enable_gqa is not False
+    ):  # the common call skips the checks
         _checks.require_flag(_SDPA, "is_causal", is_causal)
         _checks.require_flag(_SDPA, "return_weights", return_weights)
+        _checks.require_flag(_SDPA, "enable_gqa", enable_gqa)
         if is_causal:
             _checks.require_known(_SDPA, "is_causal", {"query": query, "key": key}, axes=(-2,))
-    scale, batch_shape, n, m = check_attention_inputs(_SDPA, xp, query, key, value, mask, key_lengths, scale)
+    if causal_align != "bottom_right":
+        _masking.check_causal_align(_SDPA, causal_align, is_causal, key_lengths)
+    scale, batch_shape, n, m = check_attention_inputs(
+        _SDPA, xp, query, key, value, mask, key_lengths, scale, enable_gqa=enable_gqa
+    )
+    if causal_align == "key_lengths":  # one length per query: padding, to every backend
+        key_lengths, is_causal = _masking.causal_by_lengths(xp, key_lengths, batch_shape, n), False
+    if enable_gqa:  # computed as the broadcasting call below (attnx._grouping)
+        given_batch_shape, given_n = batch_shape, n
+        query, key, value, mask, key_lengths, is_causal, batch_shape, n = _grouping.regroup(
+            xp,
+            query=query,
+            key=key,
+            value=value,
+            mask=mask,
+            key_lengths=key_lengths,
+            is_causal=is_causal,
+            batch_shape=batch_shape,
+            n=n,
+            fold=not dropout_p,
+        )
     block_bytes = chosen.block_bytes_on(_checks.device_of(query))
     if _checks.traced(query):  # a traced program compiles each block and dispatches none
         block_bytes = max(block_bytes, _tiling.TRACED_BLOCK_BYTES)
@@ -237,9 +281,14 @@ def scaled_dot_product_attention(
         options.update(block_bytes=block_bytes, custom_vjp=chosen.custom_vjp)
     if dropout_p:
         options["dropout"] = _dropout.make(xp, dropout_p, dropout_seed, batch_shape, query)
-    return _dispatch.call(
+    result = _dispatch.call(
         _SDPA, chosen, reason, sdpa_generic, arguments, options, generic_for="dropout" if dropout_p else None
     )
+    if not enable_gqa:
+        return result
+    if return_weights:
+        return tuple(_grouping.ungroup(xp, part, given_batch_shape, given_n) for part in result)
+    return _grouping.ungroup(xp, result, given_batch_shape, given_n)
 
 
 #: Query rows per causal block, at most, as a fraction of n: thinner blocks
@@ -315,11 +364,21 @@ def choose_chunks(
 
 
 def check_attention_inputs(
-    operation: str, xp: Any, query: Any, key: Any, value: Any, mask: Any, key_lengths: Any, scale: Any
+    operation: str,
+    xp: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    key_lengths: Any,
+    scale: Any,
+    *,
+    enable_gqa: bool = False,
 ) -> tuple[float, tuple[int, ...], int, int]:
     """Validate query/key/value/masks; returns the scale (a Python float, or
     a 0-d array: :func:`attnx._checks.require_scale`), the broadcast leading
-    shape, ``n`` and ``m``."""
+    shape (``(..., H)`` with ``enable_gqa``: the query heads'), ``n`` and
+    ``m``."""
     q_shape, k_shape, v_shape = tuple(query.shape), tuple(key.shape), tuple(value.shape)
     if len(q_shape) < 2 or len(k_shape) < 2 or len(v_shape) < 2:
         _checks.require_ndim(operation, "query", query, 2, "(..., n, d_k)")
@@ -337,7 +396,13 @@ def check_attention_inputs(
     if v_shape[-2] != m and _checks.known(v_shape[-2], m):
         raise ValueError(f"{operation}: value must have shape (..., m, d_v) with m = {m} (from key), got {v_shape}")
     batch_shape = q_shape[:-2]
-    if not batch_shape == k_shape[:-2] == v_shape[:-2]:
+    if enable_gqa:
+        heads, _ = _grouping.check_heads(operation, query, key, value)
+        outer = _checks.broadcast(
+            operation, {"query": q_shape[:-3], "key": k_shape[:-3], "value": v_shape[:-3]}, "shapes before the heads"
+        )
+        batch_shape = (*outer, heads)
+    elif not batch_shape == k_shape[:-2] == v_shape[:-2]:
         batch_shape = _checks.broadcast(
             operation, {"query": batch_shape, "key": k_shape[:-2], "value": v_shape[:-2]}, _checks.LEADING
         )

@@ -47,7 +47,13 @@ OPERATIONS = (
     "multi_head_attention",
     "additive_attention",
     "sliding_window",
+    "decode",
 )
+#: ``decode``: :attr:`Case.queries` new queries (1: a token; more: a chunk
+#: of prefill, causal) of ``heads`` heads over a cache of ``n`` keys of
+#: :attr:`Case.kv_heads` heads (grouped where fewer), padded: sequence ``b``
+#: holds ``n - b * n // (2 * batch)`` keys (``key_lengths``; PyTorch's SDPA
+#: gets them as its mask, and ``enable_gqa``).
 #: A training step: the forward and its backward (``attnx.vjp``'s on attnx,
 #: autograd's on the baselines), the output itself as the cotangent.
 BACKWARD = {"sdpa": "sdpa+backward", "sdpa_causal": "sdpa_causal+backward"}
@@ -67,7 +73,7 @@ BASELINES = {
 #: (it materialises the scores on the CPU) and under torch.compile.
 BASELINE_OPERATIONS = {
     "numpy-textbook": ("sdpa", "sdpa_causal"),
-    "torch-sdpa": ("sdpa", "sdpa_causal", *BACKWARD.values()),
+    "torch-sdpa": ("sdpa", "sdpa_causal", *BACKWARD.values(), "decode"),
     "jax-sdpa": ("sdpa", "sdpa_causal", *BACKWARD.values()),
     "keras-sdpa": ("sdpa", "sdpa_causal"),
     "attnx-dense-mask": ("sliding_window",),
@@ -106,6 +112,9 @@ class Case:
     workers: int | None = None
     #: sliding_window only: keys each query attends before its own.
     window: int = 256
+    #: decode only: key/value heads (None: ``heads``) and new queries.
+    kv_heads: int | None = None
+    queries: int = 1
 
     @property
     def label(self) -> str:
@@ -116,6 +125,8 @@ class Case:
     def flops(self) -> float:
         """FLOPs of the attention proper (projections of multi-head attention not counted)."""
         full = 4.0 * self.batch * self.heads * self.n * self.n * self.head_dim
+        if self.operation == "decode":  # every query over the whole cache (padding and causal rule aside)
+            return full * self.queries / self.n
         if self.operation == "sliding_window":  # the scores inside the window only
             keys = min(self.n, self.window + 1)
             return full * (keys * self.n - keys * (keys - 1) / 2) / (self.n * self.n)
@@ -147,9 +158,12 @@ def _inputs(case: Case) -> tuple[Any, Any, Any, Any, Callable[[], None]]:
     import attnx
 
     rng = np.random.default_rng(0)
-    shape = (case.batch, case.heads, case.n, case.head_dim)
+    shapes = [(case.batch, case.heads, case.n, case.head_dim)] * 3
+    if case.operation == "decode":
+        cache = (case.batch, case.kv_heads or case.heads, case.n, case.head_dim)
+        shapes = [(case.batch, case.heads, case.queries, case.head_dim), cache, cache]
     arrays = [
-        rng.standard_normal(shape).astype(np.float32 if case.dtype == "bfloat16" else case.dtype) for _ in range(3)
+        rng.standard_normal(shape).astype(np.float32 if case.dtype == "bfloat16" else case.dtype) for shape in shapes
     ]
     library = _library(case)
     if library == "torch":
@@ -267,6 +281,8 @@ def _callable(case: Case) -> tuple[Callable[[], Any], Callable[[], None]]:
     causal = case.operation.startswith("sdpa_causal")
     if case.operation.endswith("+backward"):
         return _training_step(case, q, k, v, library, causal), sync
+    if case.operation == "decode":
+        return _decode(case, q, k, v, library), sync
     if case.implementation == "numpy-textbook":
         return (lambda: textbook_attention(q, k, v, causal)), sync
     if case.implementation == "jax-sdpa":
@@ -345,6 +361,40 @@ def _training_step(case: Case, q: Any, k: Any, v: Any, library: Any, causal: boo
         return grads["query"], grads["key"], grads["value"]
 
     return _as_users_run(case, attnx_step, q, k, v)
+
+
+def cache_lengths(case: Case) -> list[int]:
+    """The keys each sequence of a ``decode`` case holds: the first a full
+    cache, the last about half of one."""
+    return [case.n - entry * case.n // (2 * case.batch) for entry in range(case.batch)]
+
+
+def _decode(case: Case, q: Any, k: Any, v: Any, library: Any) -> Callable[[], Any]:
+    """New queries over a padded cache (see :data:`OPERATIONS`), causal
+    where they are more than one, aligned to the cache's end."""
+    import numpy as np
+
+    lengths = np.asarray(cache_lengths(case))
+    causal, grouped = case.queries > 1, (case.kv_heads or case.heads) != case.heads
+    if case.implementation == "torch-sdpa":
+        fused = library.nn.functional.scaled_dot_product_attention
+        allowed = np.arange(case.n)[None, None, None, :] < lengths[:, None, None, None]
+        if causal:
+            allowed = allowed & np.tri(case.queries, case.n, case.n - case.queries, dtype=bool)
+        mask = library.from_numpy(allowed).to(q.device)
+        return lambda: fused(q, k, v, attn_mask=mask, enable_gqa=grouped)
+    import attnx
+
+    key_lengths = attnx.asarray(lengths, backend=_library(case), device=case.device)
+    return _as_users_run(
+        case,
+        lambda q, k, v: attnx.scaled_dot_product_attention(
+            q, k, v, key_lengths=key_lengths, is_causal=causal, enable_gqa=grouped
+        ),
+        q,
+        k,
+        v,
+    )
 
 
 def _sliding_window(case: Case, q: Any, k: Any, v: Any, library: Any) -> Callable[[], Any]:
@@ -580,6 +630,8 @@ def plan(
     threads: int | None = None,
     dask_workers: Sequence[int] = (),
     window: int = 256,
+    kv_heads: int | None = None,
+    queries: int = 1,
 ) -> list[Case]:
     """Every case of a sweep; ``batch`` and ``head_dim`` may list several
     values.  With ``dask_workers``, the Dask backend runs once on a local
@@ -602,7 +654,19 @@ def plan(
                     ]
                     for implementation in implementations:
                         case = Case(
-                            implementation, operation, b, heads, n, d, dtype, repeat, device, threads, window=window
+                            implementation,
+                            operation,
+                            b,
+                            heads,
+                            n,
+                            d,
+                            dtype,
+                            repeat,
+                            device,
+                            threads,
+                            window=window,
+                            kv_heads=kv_heads,
+                            queries=queries,
                         )
                         if implementation == "attnx:dask" and dask_workers:
                             cases += [replace(case, workers=workers) for workers in dask_workers]
@@ -629,7 +693,7 @@ def _progress(total: int) -> Any:
 def _shape_key(case: Case) -> tuple[Any, ...]:
     """What cases compared with each other share: the operation and its inputs
     (the rounds of :func:`sweep` and the baselines of :func:`ratios`)."""
-    return (case.operation, case.n, case.batch, case.heads, case.head_dim, case.dtype)
+    return (case.operation, case.n, case.batch, case.heads, case.head_dim, case.dtype, case.kv_heads, case.queries)
 
 
 def sweep(cases: Sequence[Case], rounds: int = 1) -> list[Result]:
@@ -752,6 +816,8 @@ def table_rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
     for index, r in enumerate(results):
         c = r.case
         shape = f"({c.batch}, {c.heads}, {c.n}, {c.head_dim})"
+        if c.operation == "decode":  # (B, H/H_kv, queries, cache, d)
+            shape = f"({c.batch}, {c.heads}/{c.kv_heads or c.heads}, {c.queries}, {c.n}, {c.head_dim})"
         if r.error:
             rows.append((c.operation, c.label, shape, c.dtype, "error", "", "", r.error[:60]))
             continue

@@ -227,6 +227,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if baseline != "numpy-textbook" and not args.no_baselines and importlib.util.find_spec(module) is not None:
                 baselines.append(baseline)
     operations = args.operations
+    if (args.kv_heads is not None or args.queries != 1) and "decode" not in operations:
+        args.parser.error("--kv-heads and --queries shape the decode operation: add it to --operations")
+    if args.kv_heads is not None and args.heads % args.kv_heads:
+        args.parser.error(f"--kv-heads must divide --heads = {args.heads}, got {args.kv_heads}")
     if args.backward:
         wrong = [op for op in operations if op not in benchmark.BACKWARD and op not in benchmark.BACKWARD.values()]
         if wrong:
@@ -247,6 +251,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         threads=args.threads,
         dask_workers=args.dask_workers or (),
         window=args.window,
+        kv_heads=args.kv_heads,
+        queries=args.queries,
     )
     results = benchmark.sweep(cases, rounds=args.rounds)
     benchmark.print_table(results, grid=args.grid)
@@ -429,6 +435,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=256,
         help="keys each query attends before its own, for the sliding_window operation (flex_attention)",
+    )
+    bench.add_argument(
+        "--kv-heads",
+        type=_positive_int,
+        default=None,
+        help="key/value heads for the decode operation, grouped where fewer than --heads (default: --heads)",
+    )
+    bench.add_argument(
+        "--queries",
+        type=_positive_int,
+        default=1,
+        help="new queries per sequence for the decode operation (more than 1: a causal chunk of prefill); "
+        "--sizes gives the cache's length",
     )
     bench.add_argument(
         "--backward",

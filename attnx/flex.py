@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from attnx import _checks, _dispatch, _dropout, _masking, _tiling, _tracing
+from attnx import _checks, _dispatch, _dropout, _grouping, _masking, _tiling, _tracing
 from attnx._typing import Array, Device
 from attnx.attention import choose_chunks
 
@@ -802,10 +802,7 @@ def _check_flex_inputs(
             f"{operation}: value must have shape (B, H_kv, m, d_v) with H_kv = {kv_heads} and m = {m} (from key), got {_checks.shape_of(value)}"
         )
     if enable_gqa:
-        if kv_heads == 0 or heads % kv_heads:
-            raise ValueError(
-                f"{operation}: with enable_gqa=True the query heads H must be a multiple of the key/value heads H_kv, got H = {heads} and H_kv = {kv_heads}"
-            )
+        _grouping.require_multiple(operation, heads, kv_heads)
     elif kv_heads != heads:
         raise ValueError(
             f"{operation}: key and value must have the query's H = {heads} heads, got H_kv = {kv_heads} "

@@ -232,9 +232,16 @@ def _scaled_dot_product_attention(
     if jax.default_backend() not in NATIVE_PLATFORMS:
         return _flash(query, key, value, is_causal, scale, chunks, chunk_size)
     n, m = query.shape[-2], key.shape[-2]
-    if (is_causal and n != m) or n == 0 or m == 0 or query.ndim != 4:
+    if (is_causal and n != m) or n == 0 or m == 0:
         return NotImplemented
-    if not tuple(query.shape[:2]) == tuple(key.shape[:2]) == tuple(value.shape[:2]):
+    leading = tuple(query.shape[:-2])
+    if len(leading) == 3 and tuple(key.shape[:-2]) == tuple(value.shape[:-2]) == (*leading[:2], 1):
+        # Grouped heads as attnx lays them out (attnx._grouping): query (B, H_kv, G)
+        # against keys (B, H_kv, 1), which JAX's own grouped heads read without copying.
+        batch, kv_heads, groups = leading
+        query = query.reshape(batch, kv_heads * groups, n, query.shape[-1])
+        key, value = key[:, :, 0], value[:, :, 0]
+    elif query.ndim != 4 or not leading[:2] == tuple(key.shape[:2]) == tuple(value.shape[:2]):
         return NotImplemented
     if value.shape[-1] != query.shape[-1]:
         return NotImplemented  # JAX wants d_v == d_k
@@ -251,7 +258,7 @@ def _scaled_dot_product_attention(
         scale=scale,
         is_causal=is_causal,
     )
-    return jnp.swapaxes(output, 1, 2)
+    return jnp.reshape(jnp.swapaxes(output, 1, 2), (*leading, n, value.shape[-1]))
 
 
 #: Queries and keys per block of :mod:`.jax_flash`: of (128, 128) to

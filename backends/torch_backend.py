@@ -218,6 +218,21 @@ def _kernel(
             query, key, value, attn_mask, 0.0, is_causal, scale=scale
         )
 
+    if len(leading) >= 2 and leading == q_shape[:-2] and k_shape[:-2] == v_shape[:-2] == (*leading[:-1], 1):
+        # Grouped heads, as attnx lays them out (attnx._grouping): query (..., H_kv, G)
+        # against keys (..., H_kv, 1).  PyTorch's enable_gqa reads them without copying.
+        batch, kv_heads, heads = math.prod(leading[:-2]), leading[-2], leading[-2] * leading[-1]
+
+        def grouped(query: Any, key: Any, value: Any, attn_mask: Any = None) -> Any:
+            query = query.reshape(batch, heads, n, d_k)
+            key, value = key.reshape(batch, kv_heads, m, d_k), value.reshape(batch, kv_heads, m, d_v)
+            if attn_mask is not None:
+                attn_mask = attn_mask.expand(*leading, n, m).reshape(batch, heads, n, m)
+            output = fused(query, key, value, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=True)
+            return output.reshape(*leading, n, d_v)
+
+        return grouped
+
     # PyTorch's fused CPU kernels want (batch, heads, n, d): other layouts (no
     # leading dimension, broadcast heads, 5-D grouped heads) fall back to a
     # slow path that materialises the scores, so flatten the leading shape.

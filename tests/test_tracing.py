@@ -404,6 +404,8 @@ ROUTED = [
     ((2, 3, 6, 4), (2, 3, 6, 4), (2, 3, 6, 4), True),
     ((1, 2, 3, 4), (1, 2, 7, 4), (1, 2, 7, 4), False),
     ((1, 2, 7, 4), (1, 2, 3, 4), (1, 2, 3, 4), False),
+    # grouped heads as enable_gqa lays them out: 3 query heads per key head
+    ((2, 2, 3, 5, 4), (2, 2, 1, 5, 4), (2, 2, 1, 5, 4), True),
 ]
 
 #: Calls it declines, since JAX would compute something else or refuse them,
