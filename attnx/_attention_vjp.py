@@ -90,7 +90,7 @@ def scaled_dot_product_attention_vjp(
             n=n,
             fold=not dropout_p,
         )
-        output = xp.reshape(output, (*batch_shape, n, output.shape[-1]))
+        output = _grouping.group(xp, output, (*batch_shape, n, output.shape[-1]))
     # The forward's mask, made again tile by tile (the forward checked the arguments)
     dropout = _dropout.make(xp, float(dropout_p), dropout_seed, batch_shape, query)
     block_bytes = chosen.block_bytes_on(_checks.device_of(query))
@@ -113,7 +113,7 @@ def scaled_dot_product_attention_vjp(
     def backward(cotangent: Any) -> dict[str, Any]:
         _cotangents.require(operation, cotangent, given_output)
         if enable_gqa:
-            cotangent = xp.reshape(cotangent, tuple(output.shape))
+            cotangent = _grouping.group(xp, cotangent, tuple(output.shape))
         d_query, d_key, d_value, d_scale, *d_mask = _tiling.backward_tiles(
             xp,
             query,
@@ -140,8 +140,10 @@ def scaled_dot_product_attention_vjp(
         }
         if real_mask:  # added to the scores: their gradient, summed where it broadcasts
             grads["mask"] = _cotangents.like(xp, d_mask[0], mask)
-        if enable_gqa:
-            grads = {name: xp.reshape(grad, tuple(given[name].shape)) for name, grad in grads.items()}
+        if enable_gqa:  # in the caller's shapes
+            for name, grad in grads.items():
+                shape = tuple(given[name].shape)
+                grads[name] = _grouping.ungroup(xp, grad, shape) if name == "query" else xp.reshape(grad, shape)
         # A 0-d array, or NumPy's scalar (what arithmetic on a 0-d array gives
         # back): a training loop's updated scale keeps its gradient.
         if scale is not None and type(scale) not in (int, float):

@@ -132,6 +132,16 @@ def _offered_dtypes(xp: Any, where: str = "") -> frozenset[str] | None:
 _FLOAT64_ON: dict[tuple[str, str], bool] = {}
 
 
+def index_dtype(xp: Any) -> Any:
+    """The namespace's default integer for indices (the standard's inspection
+    API): int64, or int32 where that is all it makes (JAX without x64, which
+    would warn at each int64 asked for)."""
+    try:
+        return xp.__array_namespace_info__().default_dtypes()["indexing"]
+    except (AttributeError, KeyError, TypeError):  # a namespace older than the 2023.12 standard
+        return xp.int64
+
+
 def widest_float(xp: Any, device: Any = None) -> Any:
     """float64 where ``xp`` can make it now (on ``device``), else float32.
 

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from attnx import _checks, _masking
 
-__all__ = ["check_heads", "regroup", "require_multiple", "ungroup"]
+__all__ = ["check_heads", "group", "regroup", "require_multiple", "ungroup"]
 
 GQA_NEEDS = "with enable_gqa=True the query heads H must be a multiple of the key/value heads H_kv"
 
@@ -159,8 +159,19 @@ def _folded(xp: Any, call: GroupedCall, layout: str | None) -> GroupedCall:
     )
 
 
-def ungroup(xp: Any, array: Any, batch_shape: tuple[int, ...], n: int) -> Any:
-    """An output or weights of the call :func:`regroup` made, ``(..., H_kv,
-    G, n, x)`` or ``(..., H_kv, G * n, x)``, as ``(*batch_shape, n, x)``
-    (``batch_shape`` ending in ``H``)."""
-    return xp.reshape(array, (*batch_shape, n, array.shape[-1]))
+def ungroup(xp: Any, array: Any, shape: tuple[int, ...]) -> Any:
+    """An array of the call :func:`regroup` made, ``(..., H_kv, G, n, x)``
+    or folded ``(..., H_kv, G * n, x)`` (an output, weights, a query's
+    cotangent), as ``shape``, ``(..., H, n, x)``."""
+    if array.ndim == len(shape):  # folded: its rows first, as Dask reshapes one axis at a time
+        array = xp.reshape(array, (*array.shape[:-2], shape[-3] // array.shape[-3], shape[-2], array.shape[-1]))
+    return xp.reshape(array, shape)
+
+
+def group(xp: Any, array: Any, shape: tuple[int, ...]) -> Any:
+    """The inverse of :func:`ungroup`: ``(..., H, n, x)`` as ``shape``, the
+    grouped or folded layout."""
+    if array.ndim == len(shape):  # folded: its heads first
+        kv_heads = shape[-3]
+        array = xp.reshape(array, (*array.shape[:-3], kv_heads, array.shape[-3] // kv_heads, *array.shape[-2:]))
+    return xp.reshape(array, shape)

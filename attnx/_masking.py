@@ -24,6 +24,7 @@ from attnx._checks import (
     dtype_kind,
     dtype_label,
     dtype_name,
+    index_dtype,
     shape_of,
     values_known,
 )
@@ -242,16 +243,17 @@ def key_counts(
     xp: Any, key_lengths: Any, is_causal: bool, batch_shape: tuple[int, ...], n: int, m: int, device: Any = None
 ) -> Any:
     """How many keys each query attends under the causal rule and
-    ``key_lengths``, both of which keep a prefix of a row's keys: int64,
+    ``key_lengths``, both of which keep a prefix of a row's keys: integers
+    of the namespace's index dtype (:func:`attnx._checks.index_dtype`),
     broadcastable to ``(*batch_shape, n)``, at most ``m`` (lengths lie in
     ``[0, m]``) and below 0 where a causal query has no key; None where the
     call has neither rule."""
     counts = None
     if key_lengths is not None:
         device = device if device is not None else device_of(key_lengths)
-        counts = xp.astype(aligned_lengths(xp, key_lengths, batch_shape, n)[..., 0], xp.int64)
+        counts = xp.astype(aligned_lengths(xp, key_lengths, batch_shape, n)[..., 0], index_dtype(xp))
     if is_causal:  # the keys at or before the query's position (causal_rule)
-        before = xp.astype(_query_positions(xp, n, m, "bottom_right", device), xp.int64) + 1
+        before = xp.astype(_query_positions(xp, n, m, "bottom_right", device), index_dtype(xp)) + 1
         counts = before if counts is None else xp.minimum(counts, before)
     return counts
 
@@ -284,8 +286,8 @@ def causal_by_lengths(xp: Any, key_lengths: Any, batch_shape: tuple[int, ...], n
     ``j <= i + L - n``, a prefix (the last query all ``L``; none where ``i +
     L < n``).  In ``key_lengths``' per-query layout ``(*batch_shape, n)``
     (broadcastable), so that every backend computes it as padding."""
-    lengths = xp.astype(aligned_lengths(xp, key_lengths, batch_shape, n)[..., 0], xp.int64)
-    counts = lengths + xp.arange(1 - n, 1, dtype=xp.int64, device=device_of(lengths))
+    lengths = xp.astype(aligned_lengths(xp, key_lengths, batch_shape, n)[..., 0], index_dtype(xp))
+    counts = lengths + xp.arange(1 - n, 1, dtype=lengths.dtype, device=device_of(lengths))
     counts = xp.where(counts < 0, xp.zeros_like(counts), counts)
     return xp.reshape(counts, (1,) * (len(batch_shape) + 1 - counts.ndim) + tuple(counts.shape))
 

@@ -287,8 +287,8 @@ def scaled_dot_product_attention(
     if not enable_gqa:
         return result
     if return_weights:
-        return tuple(_grouping.ungroup(xp, part, given_batch_shape, given_n) for part in result)
-    return _grouping.ungroup(xp, result, given_batch_shape, given_n)
+        return tuple(_grouping.ungroup(xp, part, (*given_batch_shape, given_n, part.shape[-1])) for part in result)
+    return _grouping.ungroup(xp, result, (*given_batch_shape, given_n, result.shape[-1]))
 
 
 #: Query rows per causal block, at most, as a fraction of n: thinner blocks

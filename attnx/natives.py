@@ -143,9 +143,11 @@ def key_counts(
     """How many keys each query attends under the causal rule and
     ``key_lengths``: query ``i`` attends the keys ``j < counts[..., i]``.
 
-    Int64, broadcastable to ``(*batch_shape, n)``; at most ``m`` (attnx's
+    Integers of the namespace's index dtype (int64; int32 on JAX without
+    x64), broadcastable to ``(*batch_shape, n)``; at most ``m`` (attnx's
     checks keep lengths within ``[0, m]``), and below 0 where a causal query
-    (``n > m``) has no key at all; None where the call has neither rule.  A ``mask`` is not counted: it need not keep a prefix.
+    (``n > m``) has no key at all; None where the call has neither rule.  A
+    ``mask`` is not counted: it need not keep a prefix.
 
     Examples
     --------

@@ -21,15 +21,18 @@ def allowed_mask(
     key_lengths: np.ndarray | None = None,
     lengths_per: str = "sequence",
     is_causal: bool = False,
+    causal_align: str = "bottom_right",
 ) -> np.ndarray:
     """Boolean (*batch_shape, n, m), True where query i may attend key j.
 
     ``lengths_per`` says how ``key_lengths`` is laid out: ``"batch"`` (one per
     first leading index), ``"sequence"`` (the leading shape) or ``"query"``.
+    ``causal_align="key_lengths"``: the last query sees the last of its own
+    ``key_lengths`` keys, ``j <= i + (length - n)``.
     """
     i, j = np.arange(n)[:, None], np.arange(m)[None, :]  # query i, key j
     allowed = np.ones((*batch_shape, n, m), dtype=bool)
-    if is_causal:
+    if is_causal and causal_align == "bottom_right":
         allowed &= j <= i + (m - n)  # the last query sees every key
     if key_lengths is not None:
         key_lengths = np.asarray(key_lengths)
@@ -40,6 +43,8 @@ def allowed_mask(
         else:
             length = np.broadcast_to(key_lengths, batch_shape)[..., None, None]
         allowed &= j < length
+        if is_causal and causal_align == "key_lengths":
+            allowed &= j <= i + (length - n)
     if mask is not None and mask.dtype == bool:
         allowed &= np.broadcast_to(mask, allowed.shape)
     return allowed
