@@ -18,7 +18,21 @@ _BASELINE_ORDER = ("torch-sdpa", "jax-sdpa", "keras-sdpa", "numpy-textbook")
 
 
 def _key(row: dict) -> tuple:
-    return (row["operation"], row["batch"], row["heads"], row["n"], row["head_dim"], row["dtype"])
+    shape = (row["batch"], row["heads"], row["n"], row["head_dim"], row["dtype"])
+    return (row["operation"], *shape, row.get("kv_heads"), row.get("queries", 1))
+
+
+def _shape(row: dict) -> str:
+    if row["operation"] == "decode":  # (B, H/H_kv, new queries, cache, d)
+        heads = f"{row['heads']}/{row.get('kv_heads') or row['heads']}"
+        return f"({row['batch']}, {heads}, {row.get('queries', 1)}, {row['n']}, {row['head_dim']})"
+    return f"({row['batch']}, {row['heads']}, {row['n']}, {row['head_dim']})"
+
+
+def _shape_header(rows: list[dict]) -> str:
+    if all(row["operation"] == "decode" for row in rows):
+        return "shape (B, H/H_kv, queries, cache, d)"
+    return "shape (B, H, n, d)"
 
 
 def _section(folder: Path) -> list[str]:
@@ -43,7 +57,9 @@ def _section(folder: Path) -> list[str]:
             "",
             f"### {backend.removeprefix('attnx:')}",
             "",
-            "| operation | shape (B, H, n, d) | dtype | attnx ms | " + " | ".join(f"x {name}" for name in names) + " |",
+            f"| operation | {_shape_header(rows)} | dtype | attnx ms | "
+            + " | ".join(f"x {name}" for name in names)
+            + " |",
             "|---|---|---|---:|" + "---:|" * len(names),
         ]
         for row in rows:
@@ -53,7 +69,7 @@ def _section(folder: Path) -> list[str]:
             for name in names:
                 baseline = baselines[name].get(_key(row))
                 ratios.append(f"{row['median_s'] / baseline:.2f}" if baseline else "")
-            shape = f"({row['batch']}, {row['heads']}, {row['n']}, {row['head_dim']})"
+            shape = _shape(row)
             lines.append(
                 f"| {row['operation']} | {shape} | {row['dtype']} | {row['median_s'] * 1e3:.2f} | "
                 + " | ".join(ratios)

@@ -64,6 +64,36 @@ def test_keys_split_over_chunks_are_combined_in_a_tree():
     np.testing.assert_allclose(output.compute(), _reference(q, k, v), rtol=1e-10, atol=1e-12)
 
 
+def test_a_cache_chunked_along_its_length_decodes_without_gathering_it():
+    """Decoding one token of 8 query heads over 2 key/value heads, the cache
+    in 32 chunks along its length, padded per sequence: the grouped heads
+    fold into rows and the key chunks combine in a tree, no task holding
+    the whole cache."""
+    gen = np.random.default_rng(3)
+    q, k, v = (
+        gen.standard_normal((2, 8, 1, 16)),
+        gen.standard_normal((2, 2, 4096, 16)),
+        gen.standard_normal((2, 2, 4096, 4)),
+    )
+    lengths = np.array([4096, 1000])
+    output = attnx.scaled_dot_product_attention(
+        da.from_array(q),
+        da.from_array(k, chunks=(2, 2, 128, 16)),
+        da.from_array(v, chunks=(2, 2, 128, 4)),
+        key_lengths=da.from_array(lengths),
+        is_causal=True,
+        causal_align="key_lengths",
+        enable_gqa=True,
+    )
+    graph = dict(output.__dask_graph__())
+    assert max(len(get_dependencies(graph, name)) for name in graph) <= 8
+    allowed = reference.allowed_mask(1, 4096, batch_shape=(2, 8), key_lengths=lengths, lengths_per="batch")
+    expected = reference.scaled_dot_product_attention(
+        q, np.repeat(k, 4, axis=1), np.repeat(v, 4, axis=1), allowed=allowed
+    )[0]
+    np.testing.assert_allclose(output.compute(), expected, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("batch", [(2,), (2, 3)])
 def test_chunk_size_sets_the_chunks(batch):
     q, k, v = _inputs((*batch, 100, 8), (*batch, 90, 8), 8, seed=2)

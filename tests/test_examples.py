@@ -197,3 +197,23 @@ def test_dask_kernel_regression_on_a_local_cluster():
     assert "cluster stopped" in result.stdout
     error = float(result.stdout.partition("largest error against sin: ")[2].split()[0])
     assert error < 0.05, result.stdout
+
+
+def test_decoding_over_a_cache_equals_attention_over_the_whole_sequences_on_numpy_and_pytorch():
+    """examples/decode.py: grouped heads over caches that grow to different
+    lengths; a follow-up of 4 tokens appended to every sequence in one
+    call, each aligned to its own sequence's end, and the last step equal
+    attention recomputed over each whole sequence, and both backends pick
+    the same tokens."""
+    result = _run("decode.py", "--steps", "8")
+    assert result.returncode == 0, result.stderr
+    rates = re.findall(r"^ *(numpy|torch): 64 tokens in \d+ ms, \d+ tokens/s$", result.stdout, re.M)
+    assert rates == ["numpy", "torch"], result.stdout
+    differences = [float(d) for d in re.findall(r"(?:follow-up|last) (\S+?)(?:,|$)", result.stdout, re.M)]
+    assert len(differences) == 4 and max(differences) < 1e-5, result.stdout
+    assert "same tokens on numpy, torch: yes" in result.stdout
+
+
+def test_decode_names_a_backend_that_cannot_run_in_one_line():
+    result = _run("decode.py", "--backends", "nmpy")
+    assert result.returncode == 2 and result.stderr.strip().endswith("backend 'nmpy' can't run here: not registered")
