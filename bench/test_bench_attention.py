@@ -79,6 +79,66 @@ def test_numpy_textbook_baseline(benchmark, shape, causal):
     timed(benchmark, lambda: textbook_attention(q, k, v, causal))
 
 
+# -- decoding: new queries over a padded cache of grouped key/value heads ----------------
+
+# (batch, query heads, key/value heads, new queries, cache length, head dim)
+DECODE = {
+    "small": [(1, 32, 8, 1, 4096, 128), (1, 32, 8, 16, 4096, 128)],
+    "full": [
+        (1, 32, 8, 1, 16384, 128),
+        (8, 32, 8, 1, 2048, 128),
+        (4, 32, 32, 1, 4096, 128),
+        (1, 32, 8, 128, 4096, 128),
+    ],
+}[GRID]
+
+
+def decode_inputs(backend_name, shape):
+    """Query, key, value and the cache's lengths (the first sequence full,
+    the others about half), as ``attnx bench --operations decode`` makes them."""
+    batch, heads, kv_heads, queries, cache, d = shape
+    rng = np.random.default_rng(0)
+    shapes = [(batch, heads, queries, d), (batch, kv_heads, cache, d), (batch, kv_heads, cache, d)]
+    arrays = [attnx.asarray(rng.standard_normal(s).astype(np.float32), backend=backend_name) for s in shapes]
+    lengths = np.array([cache - entry * cache // (2 * batch) for entry in range(batch)])
+    return (*arrays, lengths)
+
+
+def _decode_group(shape):
+    return "decode (B, H, H_kv, queries, cache, d) = " + str(shape)
+
+
+@pytest.mark.parametrize("shape", DECODE, ids=lambda s: "x".join(map(str, s)))
+def test_attnx_decode(benchmark, backend, shape):
+    q, k, v, lengths = decode_inputs(backend.name, shape)
+    lengths = attnx.asarray(lengths, backend=backend.name)
+    benchmark.group = _decode_group(shape)
+    benchmark.extra_info.update(flops=4.0 * shape[0] * shape[1] * shape[3] * shape[4] * shape[5], baseline=False)
+    options = {
+        "key_lengths": lengths,
+        "is_causal": True,
+        "causal_align": "key_lengths",
+        "enable_gqa": shape[1] != shape[2],
+    }
+    timed(benchmark, lambda: attnx.scaled_dot_product_attention(q, k, v, **options), backend)
+
+
+@pytest.mark.parametrize("shape", DECODE, ids=lambda s: "x".join(map(str, s)))
+def test_torch_sdpa_decode_baseline(benchmark, shape):
+    """PyTorch's SDPA with the cache's padding and the causal rule as its mask."""
+    torch = pytest.importorskip("torch")
+    q, k, v, lengths = decode_inputs("torch", shape)
+    queries, cache = shape[3], shape[4]
+    keys, ends = np.arange(cache), lengths[:, None, None, None]
+    # Padding, and each query aligned to the end of its own sequence's keys.
+    allowed = (keys < ends) & (keys <= np.arange(queries)[:, None] + ends - queries)
+    mask = torch.from_numpy(allowed)
+    benchmark.group = _decode_group(shape)
+    benchmark.extra_info.update(flops=4.0 * shape[0] * shape[1] * shape[3] * shape[4] * shape[5], baseline=True)
+    fused = torch.nn.functional.scaled_dot_product_attention
+    timed(benchmark, lambda: fused(q, k, v, attn_mask=mask, enable_gqa=shape[1] != shape[2]), TORCH)
+
+
 # -- the cost of dispatch and checks on tiny inputs ------------------------------------
 
 TINY = (1, 1, 16, 16)
