@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from attnx import _checks, _cotangents, _dispatch, _dropout, _grouping, _masking, _tiling
+from attnx import _checks, _cotangents, _dispatch, _dropout, _grouping, _tiling
 from attnx.attention import (
     _SDPA,
     _SDPA_ARGS,
+    as_computed,
     check_attention_inputs,
     choose_chunks,
     masked_softmax,
@@ -74,22 +75,15 @@ def scaled_dot_product_attention_vjp(
     scale_value, batch_shape, n, m = check_attention_inputs(
         _SDPA, xp, query, key, value, mask, key_lengths, scale, enable_gqa=enable_gqa
     )
-    if causal_align == "key_lengths":  # as the forward computed it
-        key_lengths, is_causal = _masking.causal_by_lengths(xp, key_lengths, batch_shape, n), False
     given = {"query": query, "key": key, "value": value, "mask": mask}  # the shapes the gradients take
-    if enable_gqa:  # the broadcasting call that computed it (attnx._grouping)
-        query, key, value, mask, key_lengths, is_causal, batch_shape, n = _grouping.regroup(
-            xp,
-            query=query,
-            key=key,
-            value=value,
-            mask=mask,
-            key_lengths=key_lengths,
-            is_causal=is_causal,
-            batch_shape=batch_shape,
-            n=n,
-            fold=not dropout_p,
-        )
+    query, key, value, mask, key_lengths, is_causal, batch_shape, n = as_computed(
+        xp,
+        _grouping.GroupedCall(query, key, value, mask, key_lengths, is_causal, batch_shape, n),
+        causal_align=causal_align,
+        enable_gqa=enable_gqa,
+        dropout_p=dropout_p,
+    )
+    if enable_gqa:
         output = _grouping.group(xp, output, (*batch_shape, n, output.shape[-1]))
     # The forward's mask, made again tile by tile (the forward checked the arguments)
     dropout = _dropout.make(xp, float(dropout_p), dropout_seed, batch_shape, query)

@@ -58,7 +58,8 @@ def _split_heads(xp: Any, array: Any, axis: int, kv_heads: int, groups: int) -> 
 
 
 class GroupedCall(NamedTuple):
-    """The broadcasting call that computes a grouped one (:func:`regroup`)."""
+    """A validated SDPA call's arrays, rules and sizes: the broadcasting
+    call that computes a grouped one (:func:`regroup`), or a call as given."""
 
     query: Any
     key: Any

@@ -227,21 +227,14 @@ def scaled_dot_product_attention(
     scale, batch_shape, n, m = check_attention_inputs(
         _SDPA, xp, query, key, value, mask, key_lengths, scale, enable_gqa=enable_gqa
     )
-    if causal_align == "key_lengths":  # one length per query: padding, to every backend
-        key_lengths, is_causal = _masking.causal_by_lengths(xp, key_lengths, batch_shape, n), False
-    if enable_gqa:  # computed as the broadcasting call below (attnx._grouping)
-        given_batch_shape, given_n = batch_shape, n
-        query, key, value, mask, key_lengths, is_causal, batch_shape, n = _grouping.regroup(
+    given_batch_shape, given_n = batch_shape, n
+    if causal_align != "bottom_right" or enable_gqa:
+        query, key, value, mask, key_lengths, is_causal, batch_shape, n = as_computed(
             xp,
-            query=query,
-            key=key,
-            value=value,
-            mask=mask,
-            key_lengths=key_lengths,
-            is_causal=is_causal,
-            batch_shape=batch_shape,
-            n=n,
-            fold=not dropout_p,
+            _grouping.GroupedCall(query, key, value, mask, key_lengths, is_causal, batch_shape, n),
+            causal_align=causal_align,
+            enable_gqa=enable_gqa,
+            dropout_p=dropout_p,
         )
     block_bytes = chosen.block_bytes_on(_checks.device_of(query))
     if _checks.traced(query):  # a traced program compiles each block and dispatches none
@@ -289,6 +282,22 @@ def scaled_dot_product_attention(
     if return_weights:
         return tuple(_grouping.ungroup(xp, part, (*given_batch_shape, given_n, part.shape[-1])) for part in result)
     return _grouping.ungroup(xp, result, (*given_batch_shape, given_n, result.shape[-1]))
+
+
+def as_computed(
+    xp: Any, call: _grouping.GroupedCall, *, causal_align: str, enable_gqa: bool, dropout_p: float
+) -> _grouping.GroupedCall:
+    """A validated call as attnx computes it, the forward and its backward
+    alike: the causal rule aligned to each sequence's keys as one length per
+    query (padding, which every backend takes), and grouped heads as the
+    broadcasting call of :func:`attnx._grouping.regroup` (folded where
+    nothing tells a group's heads apart, unless dropout hashes them)."""
+    if causal_align == "key_lengths":
+        lengths = _masking.causal_by_lengths(xp, call.key_lengths, call.batch_shape, call.n)
+        call = call._replace(key_lengths=lengths, is_causal=False)
+    if not enable_gqa:
+        return call
+    return _grouping.regroup(xp, **call._asdict(), fold=not dropout_p)
 
 
 #: Query rows per causal block, at most, as a fraction of n: thinner blocks
