@@ -137,18 +137,43 @@ def test_queries_aligned_to_their_own_keys_equal_a_loop_over_sequences(attnx_bac
     )
     for entry, length in enumerate(lengths):
         alone = attnx.scaled_dot_product_attention(
-            q[entry : entry + 1],
-            k[entry : entry + 1, :, :length],
-            v[entry : entry + 1, :, :length],
+            q[entry : entry + 1, ...],
+            k[entry : entry + 1, :, :length, :],
+            v[entry : entry + 1, :, :length, :],
             is_causal=True,
             enable_gqa=enable_gqa,
         )
-        assert_close(out[entry : entry + 1], be.numpy(alone), be, "float64")
+        assert_close(out[entry : entry + 1, ...], be.numpy(alone), be, "float64")
     allowed = reference.allowed_mask(
         n, m, batch_shape=(B, H), key_lengths=lengths, lengths_per="batch", is_causal=True, causal_align="key_lengths"
     )
     expected = reference.scaled_dot_product_attention(qr, _repeated(kr), _repeated(vr), allowed=allowed)[0]
     assert_close(out, expected, be, "float64")
+
+
+def test_traced_decoding_equals_eager(attnx_backend):
+    """The decoding call under the backend's tracer (``jax.jit``,
+    ``torch.compile(fullgraph=True)``), lengths and all traced."""
+    be = attnx_backend
+    trace = be.backend.trace
+
+    def attend(query, key, value, key_lengths):
+        return attnx.scaled_dot_product_attention(
+            query, key, value, key_lengths=key_lengths, is_causal=True, causal_align="key_lengths", enable_gqa=True
+        )
+
+    traced = trace(attend)
+    if traced is None:
+        pytest.skip(f"{be.name} declares no tracer")
+    (q, k, v), (qr, kr, vr), _ = _inputs(be, 3, 17, seed=3)
+    lengths = np.array([17, 5])
+    eager = attend(q, k, v, be.array(lengths))
+    assert_close(traced(q, k, v, be.array(lengths)), be.numpy(eager), be, "float64")
+    allowed = reference.allowed_mask(
+        3, 17, batch_shape=(B, H), key_lengths=lengths, lengths_per="batch", is_causal=True, causal_align="key_lengths"
+    )
+    expected = reference.scaled_dot_product_attention(qr, _repeated(kr), _repeated(vr), allowed=allowed)[0]
+    assert_close(eager, expected, be, "float64")
 
 
 def test_a_sequence_shorter_than_its_queries_gives_zeros_where_none_is_left(attnx_backend):

@@ -69,14 +69,6 @@ SDPA_CASES = {
     "scale array": {"scale": True},
     "all, chunked": {"mask": True, "key_lengths": True, "scale": True, "is_causal": True, "chunk_size": (2, 3)},
     "weights": {"mask": True, "key_lengths": True, "return_weights": True},
-    # decoding's call: 3 query heads on 1 key/value head, each sequence's
-    # queries at the end of its own keys
-    "grouped heads, aligned to their keys": {
-        "key_lengths": True,
-        "is_causal": True,
-        "causal_align": "key_lengths",
-        "enable_gqa": True,
-    },
 }
 
 
@@ -87,8 +79,6 @@ def test_traced_sdpa_equals_eager_and_reference(attnx_backend, case):
     spec = SDPA_CASES[case]
     dtype = be.dtype("float64")
     data, mask, lengths = _sdpa_inputs(be)
-    if spec.get("enable_gqa"):
-        data["key"], data["value"] = data["key"][:, :1], data["value"][:, :1]
     arrays = {name: be.array(value, dtype) for name, value in data.items()}
     if spec.get("mask") == "additive":
         mask_array = be.array(np.where(mask, 0.5, -np.inf), dtype)
@@ -98,9 +88,7 @@ def test_traced_sdpa_equals_eager_and_reference(attnx_backend, case):
         mask_array = None
     lengths_array = be.array(lengths) if spec.get("key_lengths") else None
     scale_array = be.array(np.asarray(0.4), dtype) if spec.get("scale") else None
-    options = {
-        k: spec[k] for k in ("is_causal", "causal_align", "enable_gqa", "chunk_size", "return_weights") if k in spec
-    }
+    options = {k: spec[k] for k in ("is_causal", "chunk_size", "return_weights") if k in spec}
 
     def attend(query, key, value, mask, key_lengths, scale):
         return attnx.scaled_dot_product_attention(
@@ -123,12 +111,9 @@ def test_traced_sdpa_equals_eager_and_reference(attnx_backend, case):
         lengths_per="batch",
         mask=mask if spec.get("mask") is True else None,
         is_causal=options.get("is_causal", False),
-        causal_align=options.get("causal_align", "bottom_right"),
     )
     additive = np.where(mask, 0.5, -np.inf) if spec.get("mask") == "additive" else None
     q, k, v = (rounded(data[name], be, dtype) for name in ("query", "key", "value"))
-    if spec.get("enable_gqa"):  # PyTorch's rule: each query head reads the key/value head of its group
-        k, v = (np.repeat(a, q.shape[-3] // a.shape[-3], axis=-3) for a in (k, v))
     expected, _ = reference.scaled_dot_product_attention(
         q, k, v, allowed=allowed, additive=additive, scale=0.4 if scale_array is not None else None
     )
