@@ -31,12 +31,12 @@ unregister_plugin = _registry.unregister_plugin
 
 
 def __getattr__(name: str):
-    # attnx.plot without importing it first, and without importing
-    # matplotlib with attnx.
-    if name == "plot":
+    # attnx.plot and attnx.torch without importing them first, and without
+    # importing matplotlib or PyTorch with attnx.
+    if name in ("plot", "torch"):
         import importlib
 
-        return importlib.import_module("attnx.plot")
+        return importlib.import_module(f"attnx.{name}")
     raise AttributeError(f"module 'attnx' has no attribute {name!r}")
 
 
