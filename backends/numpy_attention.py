@@ -190,7 +190,11 @@ def scaled_dot_product_attention(
         q = np.multiply(query, scale, out=scaled).reshape(slices, n, d_k)
     else:
         q = _as_slices(query, batch_shape, slices)
-    k, v = _as_slices(key, batch_shape, slices), _as_slices(value, batch_shape, slices)
+    groups = _key_groups(query, key, value, batch_shape)
+    if groups > 1:  # grouped heads (attnx._grouping): a key/value slice serves its group's query slices in place
+        k, v = (a.reshape(slices // groups, m, a.shape[-1]) for a in (key, value))
+    else:
+        k, v = _as_slices(key, batch_shape, slices), _as_slices(value, batch_shape, slices)
     output = np.empty((slices, n, d_v), dtype=dtype)
     # Causal calls of one task a thread (see plan) take spans of rows of
     # equal work over every slice, where a thread's share of the budget
@@ -198,6 +202,7 @@ def scaled_dot_product_attention(
     spans = None
     if (
         is_causal
+        and groups == 1  # spans take every slice in one task: across groups
         and chunk_size is None
         and threads > 1
         and PARALLEL_SCORES <= slices * n * m < BALANCED_SCORES
@@ -212,6 +217,8 @@ def scaled_dot_product_attention(
         per_task, rows, key_chunk = plan(slices, n, m, dtype.itemsize, is_causal, threads, budget)
         if chunk_size is not None:
             (rows, key_chunk), per_task = chunks, 1
+        if groups > 1:  # a task's slices within one group, which then reads one key/value slice
+            per_task = max(size for size in range(1, min(per_task, groups) + 1) if groups % size == 0)
         # Causal tasks near the end of the sequence cost the most: start them
         # first, so that the last tasks to finish are short.
         tasks = [
@@ -245,10 +252,11 @@ def scaled_dot_product_attention(
             block_masks = None if masks is None else masks.slices(a0, a1)
             for b0 in range(r0, r1, inner_rows):
                 b1 = min(r1, b0 + inner_rows)
+                group = slice(a0, a1) if groups == 1 else slice(a0 // groups, a0 // groups + 1)
                 _attend_block(
                     q[a0:a1, b0:b1],
-                    key_t[a0:a1],
-                    v[a0:a1],
+                    key_t[group],
+                    v[group],
                     output[a0:a1, b0:b1],
                     totals[a0:a1, b0:b1],
                     block_scale,
@@ -281,6 +289,17 @@ def scaled_dot_product_attention(
             True,
         )
     return output.reshape(*batch_shape, n, d_v)
+
+
+def _key_groups(query: Any, key: Any, value: Any, batch_shape: tuple[int, ...]) -> int:
+    """``G`` where keys and values broadcast over the last leading axis of
+    the queries alone, as grouped heads do (``(..., H_kv, 1)`` against
+    ``(..., H_kv, G)``); else 1."""
+    lead = tuple(batch_shape)
+    if len(lead) < 2 or lead[-1] == 1 or tuple(query.shape[:-2]) != lead:
+        return 1
+    grouped = (*lead[:-1], 1)
+    return lead[-1] if tuple(key.shape[:-2]) == grouped == tuple(value.shape[:-2]) else 1
 
 
 def _as_slices(array: Any, batch_shape: tuple[int, ...], slices: int) -> Any:

@@ -1008,3 +1008,31 @@ def test_masked_calls_of_any_plan_equal_the_reference(batch, n, m, layout, is_ca
         backend.concurrent_blocks = before
     expected = _reference(q, k, v, is_causal=is_causal, **call)
     np.testing.assert_allclose(got, expected, **TOLERANCE["float64"])
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_grouped_heads_read_each_key_slice_in_place(monkeypatch, is_causal):
+    """Grouped heads that do not fold into rows (the causal rule over as many
+    queries as keys; a mask per head): the native reads each key/value slice
+    for its group's query slices, never broadcast into a copy per head,
+    and computes what repeated keys give."""
+    from attnx_backends import numpy_attention
+
+    laid_out = []
+    as_slices = numpy_attention._as_slices
+    monkeypatch.setattr(
+        numpy_attention, "_as_slices", lambda array, *rest: laid_out.append(array.shape) or as_slices(array, *rest)
+    )
+    gen = np.random.default_rng(7)
+    q, k, v = (
+        gen.standard_normal((2, 6, 300, 16)),
+        gen.standard_normal((2, 2, 300, 16)),
+        gen.standard_normal((2, 2, 300, 8)),
+    )
+    mask = gen.random((2, 6, 300, 300)) < 0.9
+    out = attnx.scaled_dot_product_attention(q, k, v, is_causal=is_causal, mask=mask, enable_gqa=True)
+    assert all(shape[-3:-1] != (1, 300) for shape in laid_out)  # no key or value broadcast to the query heads
+    expected = attnx.scaled_dot_product_attention(
+        q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1), is_causal=is_causal, mask=mask
+    )
+    np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
