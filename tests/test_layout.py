@@ -14,9 +14,10 @@ import attnx
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Modules of attnx that may import an array library: parameters drawn once
-#: in NumPy (the same numbers on every backend), and the tools around the
-#: algorithms (benchmarks, plots, the command line).
-ARRAY_LIBRARY_USERS = {"_params.py", "benchmark.py", "cli.py", "plot.py"}
+#: in NumPy (the same numbers on every backend), the tools around the
+#: algorithms (benchmarks, plots, the command line), and the framework
+#: layers (attnx.torch: an nn.Module, imported only when asked for).
+ARRAY_LIBRARY_USERS = {"_params.py", "benchmark.py", "cli.py", "plot.py", "torch.py"}
 ARRAY_LIBRARIES = {"numpy", "torch", "cupy", "jax", "dask"}
 
 
