@@ -14,6 +14,9 @@ nothing private, as a backend in another package would.
 - :func:`key_counts`: the causal rule and ``key_lengths`` as one number
   per query, the keys it attends (both keep a prefix of a row's keys), for
   a kernel that stops each row there rather than reading a mask.
+- :func:`key_groups`: grouped-query heads (``enable_gqa``) as attnx lays
+  them out, keys broadcast over each group's query heads, for a native
+  that reads one key slice for a group rather than copying it per head.
 - :func:`planned_chunks`: attnx's plan of blocks for a call, under the
   memory budget in force (a native with a plan of its own, see
   :meth:`attnx.Backend.specialize`, asks it at each call).
@@ -41,7 +44,7 @@ from attnx._tiling import KEY_CHUNK, MIN_ROWS
 from attnx.attention import choose_chunks
 from attnx.backend import Backend
 
-__all__ = ["KEY_CHUNK", "MIN_ROWS", "aligned_lengths", "combined_mask", "key_counts", "planned_chunks"]
+__all__ = ["KEY_CHUNK", "MIN_ROWS", "aligned_lengths", "combined_mask", "key_counts", "key_groups", "planned_chunks"]
 
 
 def combined_mask(
@@ -158,6 +161,33 @@ def key_counts(
            [2, 3, 4]])
     """
     return _masking.key_counts(xp, key_lengths, is_causal, batch_shape, n, m, device)
+
+
+def key_groups(query_shape: tuple[int, ...], key_shape: tuple[int, ...], value_shape: tuple[int, ...]) -> int:
+    """``G`` where keys and values broadcast over the last leading axis of
+    the queries alone, else 1.
+
+    That is how :func:`attnx.scaled_dot_product_attention` lays out
+    grouped-query heads (``enable_gqa=True``, where they do not fold into
+    rows): queries ``(..., H_kv, G, n, d_k)`` against keys ``(..., H_kv, 1,
+    m, d_k)`` and values ``(..., H_kv, 1, m, d_v)``, query slice ``s``
+    reading key/value slice ``s // G``.  A native that reads that slice for
+    each of its group's queries copies no key (broadcasting the keys to
+    every query head would copy them ``G`` times).
+
+    Examples
+    --------
+    >>> from attnx import natives
+    >>> natives.key_groups((2, 8, 4, 5, 64), (2, 8, 1, 9, 64), (2, 8, 1, 9, 32))
+    4
+    >>> natives.key_groups((2, 8, 5, 64), (2, 8, 9, 64), (2, 8, 9, 32))
+    1
+    """
+    lead = tuple(query_shape[:-2])
+    if len(lead) < 2 or lead[-1] == 1:
+        return 1
+    grouped = (*lead[:-1], 1)
+    return lead[-1] if tuple(key_shape[:-2]) == grouped == tuple(value_shape[:-2]) else 1
 
 
 def planned_chunks(

@@ -445,6 +445,10 @@ def scaled_dot_product_attention(
         return_weights
         or query.dtype.name not in ("float32", "float64", "float16")
         or 0 in (n, m, query.shape[-1], value.shape[-1], math.prod(batch_shape))
+        # Grouped heads that did not fold into rows: these kernels read one key slice
+        # per query slice, so they would copy each key for each query head of its
+        # group; attnx's generic algorithm broadcasts them in CuPy's matmul instead.
+        or natives.key_groups(query.shape, key.shape, value.shape) > 1
     ):
         return NotImplemented
     if mask is None and key_lengths is None and chunk_size is None:

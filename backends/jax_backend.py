@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from attnx import Backend, hookimpl
+from attnx import Backend, hookimpl, natives
 from attnx.backend import GPU_BLOCK_BYTES
 
 #: Platforms whose arrays take a GPU's blocks.
@@ -235,7 +235,7 @@ def _scaled_dot_product_attention(
     if (is_causal and n != m) or n == 0 or m == 0:
         return NotImplemented
     leading = tuple(query.shape[:-2])
-    if len(leading) == 3 and tuple(key.shape[:-2]) == tuple(value.shape[:-2]) == (*leading[:2], 1):
+    if len(leading) == 3 and natives.key_groups(query.shape, key.shape, value.shape) > 1:
         # Grouped heads as attnx lays them out (attnx._grouping): query (B, H_kv, G)
         # against keys (B, H_kv, 1), which JAX's own grouped heads read without copying.
         batch, kv_heads, groups = leading

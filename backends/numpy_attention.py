@@ -190,7 +190,7 @@ def scaled_dot_product_attention(
         q = np.multiply(query, scale, out=scaled).reshape(slices, n, d_k)
     else:
         q = _as_slices(query, batch_shape, slices)
-    groups = _key_groups(query, key, value, batch_shape)
+    groups = natives.key_groups(query.shape, key.shape, value.shape)
     if groups > 1:  # grouped heads (attnx._grouping): a key/value slice serves its group's query slices in place
         k, v = (a.reshape(slices // groups, m, a.shape[-1]) for a in (key, value))
     else:
@@ -289,17 +289,6 @@ def scaled_dot_product_attention(
             True,
         )
     return output.reshape(*batch_shape, n, d_v)
-
-
-def _key_groups(query: Any, key: Any, value: Any, batch_shape: tuple[int, ...]) -> int:
-    """``G`` where keys and values broadcast over the last leading axis of
-    the queries alone, as grouped heads do (``(..., H_kv, 1)`` against
-    ``(..., H_kv, G)``); else 1."""
-    lead = tuple(batch_shape)
-    if len(lead) < 2 or lead[-1] == 1 or tuple(query.shape[:-2]) != lead:
-        return 1
-    grouped = (*lead[:-1], 1)
-    return lead[-1] if tuple(key.shape[:-2]) == grouped == tuple(value.shape[:-2]) else 1
 
 
 def _as_slices(array: Any, batch_shape: tuple[int, ...], slices: int) -> Any:

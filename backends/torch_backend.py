@@ -218,7 +218,7 @@ def _kernel(
             query, key, value, attn_mask, 0.0, is_causal, scale=scale
         )
 
-    if len(leading) >= 2 and leading == q_shape[:-2] and k_shape[:-2] == v_shape[:-2] == (*leading[:-1], 1):
+    if leading == q_shape[:-2] and natives.key_groups(q_shape, k_shape, v_shape) > 1:
         # Grouped heads, as attnx lays them out (attnx._grouping): query (..., H_kv, G)
         # against keys (..., H_kv, 1).  PyTorch's enable_gqa reads them without copying.
         batch, kv_heads, heads = math.prod(leading[:-2]), leading[-2], leading[-2] * leading[-1]
