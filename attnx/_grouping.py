@@ -15,9 +15,7 @@ from typing import Any, NamedTuple
 
 from attnx import _checks, _masking
 
-__all__ = ["check_heads", "group", "regroup", "require_multiple", "ungroup"]
-
-GQA_NEEDS = "with enable_gqa=True the query heads H must be a multiple of the key/value heads H_kv"
+__all__ = ["check_heads", "group", "key_groups", "regroup", "require_multiple", "ungroup"]
 
 
 def check_heads(operation: str, query: Any, key: Any, value: Any) -> tuple[int, int]:
@@ -45,7 +43,10 @@ def check_heads(operation: str, query: Any, key: Any, value: Any) -> tuple[int, 
 
 def require_multiple(operation: str, heads: int, kv_heads: int) -> None:
     if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"{operation}: {GQA_NEEDS}, got H = {heads} and H_kv = {kv_heads}")
+        raise ValueError(
+            f"{operation}: with enable_gqa=True the query heads H must be a multiple of the key/value heads H_kv, "
+            f"got H = {heads} and H_kv = {kv_heads}"
+        )
 
 
 def _split_heads(xp: Any, array: Any, axis: int, kv_heads: int, groups: int) -> Any:
@@ -158,6 +159,17 @@ def _folded(xp: Any, call: GroupedCall, layout: str | None) -> GroupedCall:
         call.batch_shape[:-1],
         groups * n,
     )
+
+
+def key_groups(query_shape: tuple[int, ...], key_shape: tuple[int, ...], value_shape: tuple[int, ...]) -> int:
+    """``G`` of the layout :func:`regroup` makes (keys and values broadcast
+    over the queries' last leading axis alone), else 1: natives read it
+    through :func:`attnx.natives.key_groups`."""
+    lead = tuple(query_shape[:-2])
+    if len(lead) < 2 or lead[-1] == 1:
+        return 1
+    grouped = (*lead[:-1], 1)
+    return lead[-1] if tuple(key_shape[:-2]) == grouped == tuple(value_shape[:-2]) else 1
 
 
 def ungroup(xp: Any, array: Any, shape: tuple[int, ...]) -> Any:

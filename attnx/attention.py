@@ -214,9 +214,8 @@ def scaled_dot_product_attention(
     xp = chosen.xp
     if dropout_p or dropout_seed is not None:
         dropout_p = _dropout.require_dropout(_SDPA, xp, dropout_p, dropout_seed, chosen.owns)
-    if (
-        is_causal is not False or return_weights is not False or enable_gqa is not False
-    ):  # the common call skips the checks
+    # The common call (no flag set) skips the flags' checks.
+    if is_causal is not False or return_weights is not False or enable_gqa is not False:
         _checks.require_flag(_SDPA, "is_causal", is_causal)
         _checks.require_flag(_SDPA, "return_weights", return_weights)
         _checks.require_flag(_SDPA, "enable_gqa", enable_gqa)

@@ -50,10 +50,11 @@ OPERATIONS = (
     "decode",
 )
 #: ``decode``: :attr:`Case.queries` new queries (1: a token; more: a chunk
-#: of prefill, causal) of ``heads`` heads over a cache of ``n`` keys of
-#: :attr:`Case.kv_heads` heads (grouped where fewer), padded: sequence ``b``
-#: holds ``n - b * n // (2 * batch)`` keys (``key_lengths``; PyTorch's SDPA
-#: gets them as its mask, and ``enable_gqa``).
+#: of prefill, causal, aligned to the end of each sequence's own keys) of
+#: ``heads`` heads over a cache of ``n`` keys of :attr:`Case.kv_heads` heads
+#: (grouped where fewer), padded: sequence ``b`` holds ``n - b * n // (2 *
+#: batch)`` keys (:func:`cache_lengths`; PyTorch's SDPA gets the padding and
+#: the alignment as its mask, :func:`decode_mask`, and ``enable_gqa``).
 #: A training step: the forward and its backward (``attnx.vjp``'s on attnx,
 #: autograd's on the baselines), the output itself as the cotangent.
 BACKWARD = {"sdpa": "sdpa+backward", "sdpa_causal": "sdpa_causal+backward"}
@@ -363,33 +364,42 @@ def _training_step(case: Case, q: Any, k: Any, v: Any, library: Any, causal: boo
     return _as_users_run(case, attnx_step, q, k, v)
 
 
-def cache_lengths(case: Case) -> list[int]:
-    """The keys each sequence of a ``decode`` case holds: the first a full
-    cache, the last about half of one."""
-    return [case.n - entry * case.n // (2 * case.batch) for entry in range(case.batch)]
+def cache_lengths(batch: int, cache: int) -> Any:
+    """The keys each sequence of a ``decode`` case holds, ``(batch,)``
+    integers: the first a full cache, the last about half of one."""
+    import numpy as np
+
+    return np.array([cache - entry * cache // (2 * batch) for entry in range(batch)])
+
+
+def decode_mask(lengths: Any, queries: int, cache: int) -> Any:
+    """A ``decode`` case's rule as one boolean mask ``(batch, 1, queries,
+    cache)`` (``True``: attended), for a baseline that takes no lengths:
+    each sequence's padding, and its queries aligned to the end of its own
+    keys (attnx's ``causal_align="key_lengths"``)."""
+    import numpy as np
+
+    keys, ends = np.arange(cache), np.asarray(lengths)[:, None, None, None]
+    return (keys < ends) & (keys <= np.arange(queries)[:, None] + ends - queries)
 
 
 def _decode(case: Case, q: Any, k: Any, v: Any, library: Any) -> Callable[[], Any]:
     """New queries over a padded cache (see :data:`OPERATIONS`), causal
-    where they are more than one, aligned to the cache's end."""
-    import numpy as np
-
-    lengths = np.asarray(cache_lengths(case))
-    causal, grouped = case.queries > 1, (case.kv_heads or case.heads) != case.heads
+    where they are more than one, aligned to each sequence's own keys."""
+    lengths = cache_lengths(case.batch, case.n)
+    grouped = (case.kv_heads or case.heads) != case.heads
     if case.implementation == "torch-sdpa":
         fused = library.nn.functional.scaled_dot_product_attention
-        allowed = np.arange(case.n)[None, None, None, :] < lengths[:, None, None, None]
-        if causal:
-            allowed = allowed & np.tri(case.queries, case.n, case.n - case.queries, dtype=bool)
-        mask = library.from_numpy(allowed).to(q.device)
+        mask = library.from_numpy(decode_mask(lengths, case.queries, case.n)).to(q.device)
         return lambda: fused(q, k, v, attn_mask=mask, enable_gqa=grouped)
     import attnx
 
     key_lengths = attnx.asarray(lengths, backend=_library(case), device=case.device)
+    aligned = {"is_causal": True, "causal_align": "key_lengths"} if case.queries > 1 else {}
     return _as_users_run(
         case,
         lambda q, k, v: attnx.scaled_dot_product_attention(
-            q, k, v, key_lengths=key_lengths, is_causal=causal, enable_gqa=grouped
+            q, k, v, key_lengths=key_lengths, enable_gqa=grouped, **aligned
         ),
         q,
         k,

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnx import _masking
+from attnx import _grouping, _masking
 from attnx._tiling import KEY_CHUNK, MIN_ROWS
 from attnx.attention import choose_chunks
 from attnx.backend import Backend
@@ -183,11 +183,7 @@ def key_groups(query_shape: tuple[int, ...], key_shape: tuple[int, ...], value_s
     >>> natives.key_groups((2, 8, 5, 64), (2, 8, 9, 64), (2, 8, 9, 32))
     1
     """
-    lead = tuple(query_shape[:-2])
-    if len(lead) < 2 or lead[-1] == 1:
-        return 1
-    grouped = (*lead[:-1], 1)
-    return lead[-1] if tuple(key_shape[:-2]) == grouped == tuple(value_shape[:-2]) else 1
+    return _grouping.key_groups(query_shape, key_shape, value_shape)
 
 
 def planned_chunks(

@@ -250,9 +250,10 @@ def scaled_dot_product_attention(
         # A task's slices, cut where a mask's run of slices that are one view ends.
         for a0, a1 in [(s0, s1)] if masks is None else masks.runs(s0, s1):
             block_masks = None if masks is None else masks.slices(a0, a1)
+            # The key/value slices of query slices a0:a1; with groups, their group's one.
+            group = slice(a0, a1) if groups == 1 else slice(a0 // groups, a0 // groups + 1)
             for b0 in range(r0, r1, inner_rows):
                 b1 = min(r1, b0 + inner_rows)
-                group = slice(a0, a1) if groups == 1 else slice(a0 // groups, a0 // groups + 1)
                 _attend_block(
                     q[a0:a1, b0:b1],
                     key_t[group],

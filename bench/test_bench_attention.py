@@ -8,7 +8,7 @@ from conftest import GRID, timed
 from overhead import checked_torch_sdpa
 
 import attnx
-from attnx.benchmark import textbook_attention
+from attnx.benchmark import cache_lengths, decode_mask, textbook_attention
 
 # (batch, heads, n, head dim)
 SHAPES = {
@@ -94,26 +94,26 @@ DECODE = {
 
 
 def decode_inputs(backend_name, shape):
-    """Query, key, value and the cache's lengths (the first sequence full,
-    the others about half), as ``attnx bench --operations decode`` makes them."""
+    """Query, key, value and the cache's lengths, as ``attnx bench
+    --operations decode`` makes them (:func:`attnx.benchmark.cache_lengths`)."""
     batch, heads, kv_heads, queries, cache, d = shape
     rng = np.random.default_rng(0)
     shapes = [(batch, heads, queries, d), (batch, kv_heads, cache, d), (batch, kv_heads, cache, d)]
     arrays = [attnx.asarray(rng.standard_normal(s).astype(np.float32), backend=backend_name) for s in shapes]
-    lengths = np.array([cache - entry * cache // (2 * batch) for entry in range(batch)])
-    return (*arrays, lengths)
+    return (*arrays, cache_lengths(batch, cache))
 
 
-def _decode_group(shape):
-    return "decode (B, H, H_kv, queries, cache, d) = " + str(shape)
+def _decode_benchmark(benchmark, shape, baseline):
+    benchmark.group = "decode (B, H, H_kv, queries, cache, d) = " + str(shape)
+    batch, heads, _, queries, cache, d = shape
+    benchmark.extra_info.update(flops=4.0 * batch * heads * queries * cache * d, baseline=baseline)
 
 
 @pytest.mark.parametrize("shape", DECODE, ids=lambda s: "x".join(map(str, s)))
 def test_attnx_decode(benchmark, backend, shape):
     q, k, v, lengths = decode_inputs(backend.name, shape)
     lengths = attnx.asarray(lengths, backend=backend.name)
-    benchmark.group = _decode_group(shape)
-    benchmark.extra_info.update(flops=4.0 * shape[0] * shape[1] * shape[3] * shape[4] * shape[5], baseline=False)
+    _decode_benchmark(benchmark, shape, baseline=False)
     options = {
         "key_lengths": lengths,
         "is_causal": True,
@@ -128,13 +128,8 @@ def test_torch_sdpa_decode_baseline(benchmark, shape):
     """PyTorch's SDPA with the cache's padding and the causal rule as its mask."""
     torch = pytest.importorskip("torch")
     q, k, v, lengths = decode_inputs("torch", shape)
-    queries, cache = shape[3], shape[4]
-    keys, ends = np.arange(cache), lengths[:, None, None, None]
-    # Padding, and each query aligned to the end of its own sequence's keys.
-    allowed = (keys < ends) & (keys <= np.arange(queries)[:, None] + ends - queries)
-    mask = torch.from_numpy(allowed)
-    benchmark.group = _decode_group(shape)
-    benchmark.extra_info.update(flops=4.0 * shape[0] * shape[1] * shape[3] * shape[4] * shape[5], baseline=True)
+    mask = torch.from_numpy(decode_mask(lengths, queries=shape[3], cache=shape[4]))
+    _decode_benchmark(benchmark, shape, baseline=True)
     fused = torch.nn.functional.scaled_dot_product_attention
     timed(benchmark, lambda: fused(q, k, v, attn_mask=mask, enable_gqa=shape[1] != shape[2]), TORCH)
 
