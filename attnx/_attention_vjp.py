@@ -13,13 +13,12 @@ from typing import Any
 from attnx import _checks, _cotangents, _dispatch, _dropout, _grouping, _tiling
 from attnx.attention import (
     _SDPA,
-    _SDPA_ARGS,
-    as_computed,
-    check_attention_inputs,
+    ValidatedCall,
     choose_chunks,
+    computed,
     masked_softmax,
-    scaled_dot_product_attention,
     sdpa_tile_plan,
+    validated_call,
 )
 
 __all__ = ["masked_softmax_vjp", "scaled_dot_product_attention_vjp"]
@@ -43,21 +42,13 @@ def scaled_dot_product_attention_vjp(
     backend: str | None = None,
 ) -> tuple[Any, Callable[[Any], dict[str, Any]]]:
     operation = f"vjp({_SDPA})"
-    chosen, _ = _dispatch.resolve(
-        operation,
-        backend,
-        _SDPA_ARGS,
-        (query, key, value, mask, key_lengths, _checks.scale_array(scale), _dropout.seed_array(dropout_seed)),
-        3,
-    )
-    xp = chosen.xp
     _checks.require_flag(operation, "return_weights", return_weights)
     if return_weights:
         raise ValueError(
             f"{operation}: return_weights=True has two outputs; differentiate the weights through attnx.masked_softmax"
         )
-    real_mask = mask is not None and _checks.is_float_dtype(xp, mask.dtype)
-    given_output = output = scaled_dot_product_attention(
+    call = validated_call(
+        operation,
         query,
         key,
         value,
@@ -67,66 +58,32 @@ def scaled_dot_product_attention_vjp(
         causal_align=causal_align,
         scale=scale,
         enable_gqa=enable_gqa,
-        chunk_size=chunk_size,
+        return_weights=False,
         dropout_p=dropout_p,
         dropout_seed=dropout_seed,
         backend=backend,
     )
-    scale_value, batch_shape, n, m = check_attention_inputs(
-        _SDPA, xp, query, key, value, mask, key_lengths, scale, enable_gqa=enable_gqa
-    )
+    chosen, xp = call.chosen, call.chosen.xp
+    real_mask = mask is not None and _checks.is_float_dtype(xp, mask.dtype)
     given = {"query": query, "key": key, "value": value, "mask": mask}  # the shapes the gradients take
-    query, key, value, mask, key_lengths, is_causal, batch_shape, n = as_computed(
-        xp,
-        _grouping.GroupedCall(query, key, value, mask, key_lengths, is_causal, batch_shape, n),
-        causal_align=causal_align,
-        enable_gqa=enable_gqa,
-        dropout_p=dropout_p,
-    )
-    if enable_gqa:
-        output = _grouping.group(xp, output, (*batch_shape, n, output.shape[-1]))
-    # The forward's mask, made again tile by tile (the forward checked the arguments)
-    dropout = _dropout.make(xp, float(dropout_p), dropout_seed, batch_shape, query)
-    block_bytes = chosen.block_bytes_on(_checks.device_of(query))
-    if _checks.traced(query):
-        block_bytes = max(block_bytes, _tiling.TRACED_BLOCK_BYTES)
-    chunks = choose_chunks(
-        xp, query.dtype, n, m, batch_shape, chunk_size, False, is_causal, chosen.concurrent_blocks, block_bytes
-    ) or (max(1, n), max(1, m))
-    tiles, tile_scores = sdpa_tile_plan(
-        xp,
-        query,
-        key,
-        mask=mask,
-        key_lengths=key_lengths,
-        is_causal=is_causal,
-        batch_shape=batch_shape,
-        key_chunk=chunks[1],
-    )
+    query, key, value, mask, key_lengths, is_causal, batch_shape, n = call.computed
+    found = _native(operation, call, chunk_size)
+    native = None if found is None else found[1]
+    _dispatch.log_choice(operation, chosen.name, call.reason, "generic" if native is None else "native")
+    output = computed(call, chunk_size=chunk_size, dropout_seed=dropout_seed) if found is None else found[0]
+    given_output = call.given(output)
+    if native is None:
+        backward_tiles = _generic_backward(call, output, chunk_size, dropout_seed, real_mask)
 
     def backward(cotangent: Any) -> dict[str, Any]:
         _cotangents.require(operation, cotangent, given_output)
         if enable_gqa:
             cotangent = _grouping.group(xp, cotangent, tuple(output.shape))
-        d_query, d_key, d_value, d_scale, *d_mask = _tiling.backward_tiles(
-            xp,
-            query,
-            key,
-            value,
-            output,
-            cotangent,
-            scale=scale_value,
-            batch_shape=batch_shape,
-            query_chunk=chunks[0],
-            key_chunk=chunks[1],
-            tiles=tiles,
-            tile_scores=tile_scores,
-            map_blocks=chosen.map_blocks,
-            concurrent_blocks=chosen.concurrent_blocks,
-            block_bytes=block_bytes,
-            mask_shape=tuple(mask.shape) if real_mask else None,
-            dropout=dropout,
-        )
+        if native is not None:
+            d_query, d_key, d_value, d_scale = native(cotangent)
+            d_mask = []
+        else:
+            d_query, d_key, d_value, d_scale, *d_mask = backward_tiles(cotangent)
         grads = {
             "query": _cotangents.like(xp, d_query, query),
             "key": _cotangents.like(xp, d_key, key),
@@ -145,6 +102,80 @@ def scaled_dot_product_attention_vjp(
         return grads
 
     return given_output, backward
+
+
+def _native(operation: str, call: ValidatedCall, chunk_size: Any) -> tuple[Any, Callable[[Any], Any]] | None:
+    """The backend's native ``(output, backward)`` of a validated call, or
+    None where it has none or declines it (dropout: natives draw their masks
+    their own way).  Its backward gives ``(d_query, d_key, d_value,
+    d_scale)`` in the computed layout, as :func:`attnx._tiling.backward_tiles`."""
+    native = None if call.dropout_p else call.chosen.implementations().get(operation)
+    if native is None:
+        return None
+    query, key, value, mask, key_lengths, is_causal, batch_shape, _ = call.computed
+    found = native(
+        query=query,
+        key=key,
+        value=value,
+        mask=mask,
+        key_lengths=key_lengths,
+        is_causal=is_causal,
+        scale=call.scale,
+        batch_shape=batch_shape,
+        chunk_size=chunk_size,
+    )
+    return None if found is NotImplemented else found
+
+
+def _generic_backward(
+    call: ValidatedCall, output: Any, chunk_size: Any, dropout_seed: Any, real_mask: bool
+) -> Callable[[Any], tuple[Any, ...]]:
+    """attnx's tiled backward of a validated call (:func:`attnx._tiling.backward_tiles`),
+    planned as its forward's tiles: a function of the cotangent."""
+    chosen, xp = call.chosen, call.chosen.xp
+    query, key, value, mask, key_lengths, is_causal, batch_shape, n = call.computed
+    m = key.shape[-2]
+    # The forward's mask, made again tile by tile (the forward checked the arguments)
+    dropout = _dropout.make(xp, float(call.dropout_p), dropout_seed, batch_shape, query)
+    block_bytes = chosen.block_bytes_on(_checks.device_of(query))
+    if _checks.traced(query):
+        block_bytes = max(block_bytes, _tiling.TRACED_BLOCK_BYTES)
+    chunks = choose_chunks(
+        xp, query.dtype, n, m, batch_shape, chunk_size, False, is_causal, chosen.concurrent_blocks, block_bytes
+    ) or (max(1, n), max(1, m))
+    tiles, tile_scores = sdpa_tile_plan(
+        xp,
+        query,
+        key,
+        mask=mask,
+        key_lengths=key_lengths,
+        is_causal=is_causal,
+        batch_shape=batch_shape,
+        key_chunk=chunks[1],
+    )
+
+    def backward(cotangent: Any) -> tuple[Any, ...]:
+        return _tiling.backward_tiles(
+            xp,
+            query,
+            key,
+            value,
+            output,
+            cotangent,
+            scale=call.scale,
+            batch_shape=batch_shape,
+            query_chunk=chunks[0],
+            key_chunk=chunks[1],
+            tiles=tiles,
+            tile_scores=tile_scores,
+            map_blocks=chosen.map_blocks,
+            concurrent_blocks=chosen.concurrent_blocks,
+            block_bytes=block_bytes,
+            mask_shape=tuple(mask.shape) if real_mask else None,
+            dropout=dropout,
+        )
+
+    return backward
 
 
 def masked_softmax_vjp(

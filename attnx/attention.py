@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from attnx import _checks, _dispatch, _dropout, _grouping, _masking, _plans, _tiling, _tracing
 from attnx._tiling import KEY_CHUNK, MIN_ROWS
 from attnx._typing import Array
+from attnx.backend import Backend
 
 __all__ = ["masked_softmax", "scaled_dot_product_attention"]
 
@@ -204,8 +205,73 @@ def scaled_dot_product_attention(
         plan, signature = _plans.lookup(_SDPA, (query, key, value), (is_causal, scale, return_weights, backend))
         if plan is not None:  # this signature was validated before: see attnx._plans
             return plan(query, key, value)
-    chosen, reason = _dispatch.resolve(
+    call = validated_call(
         _SDPA,
+        query,
+        key,
+        value,
+        mask=mask,
+        key_lengths=key_lengths,
+        is_causal=is_causal,
+        causal_align=causal_align,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        return_weights=return_weights,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        backend=backend,
+    )
+    result = computed(call, chunk_size=chunk_size, dropout_seed=dropout_seed, signature=signature)
+    if not enable_gqa:
+        return result
+    if return_weights:
+        return tuple(call.given(part) for part in result)
+    return call.given(result)
+
+
+class ValidatedCall(NamedTuple):
+    """A call of :func:`scaled_dot_product_attention` checked, in the
+    layout attnx computes it (:func:`as_computed`): what its forward and
+    its backward (:func:`attnx.vjp`) share."""
+
+    chosen: Backend
+    reason: str
+    computed: _grouping.GroupedCall
+    scale: Any  # a Python float, or a 0-d array
+    given_batch_shape: tuple[int, ...]
+    given_n: int
+    return_weights: bool
+    dropout_p: float
+    grouped: bool
+
+    def given(self, result: Any) -> Any:
+        """A result ``(..., n, d)`` of the computed call in the caller's layout."""
+        if not self.grouped:
+            return result
+        return _grouping.ungroup(self.chosen.xp, result, (*self.given_batch_shape, self.given_n, result.shape[-1]))
+
+
+def validated_call(
+    operation: str,
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: Any,
+    causal_align: str,
+    scale: Any,
+    enable_gqa: Any,
+    return_weights: Any,
+    dropout_p: Any,
+    dropout_seed: Any,
+    backend: str | None,
+) -> ValidatedCall:
+    """Every check of a call of :func:`scaled_dot_product_attention`, before
+    any work; the errors name ``operation``."""
+    chosen, reason = _dispatch.resolve(
+        operation,
         backend,
         _SDPA_ARGS,
         (query, key, value, mask, key_lengths, _checks.scale_array(scale), _dropout.seed_array(dropout_seed)),
@@ -213,28 +279,33 @@ def scaled_dot_product_attention(
     )
     xp = chosen.xp
     if dropout_p or dropout_seed is not None:
-        dropout_p = _dropout.require_dropout(_SDPA, xp, dropout_p, dropout_seed, chosen.owns)
+        dropout_p = _dropout.require_dropout(operation, xp, dropout_p, dropout_seed, chosen.owns)
     # The common call (no flag set) skips the flags' checks.
     if is_causal is not False or return_weights is not False or enable_gqa is not False:
-        _checks.require_flag(_SDPA, "is_causal", is_causal)
-        _checks.require_flag(_SDPA, "return_weights", return_weights)
-        _checks.require_flag(_SDPA, "enable_gqa", enable_gqa)
+        _checks.require_flag(operation, "is_causal", is_causal)
+        _checks.require_flag(operation, "return_weights", return_weights)
+        _checks.require_flag(operation, "enable_gqa", enable_gqa)
         if is_causal:
-            _checks.require_known(_SDPA, "is_causal", {"query": query, "key": key}, axes=(-2,))
+            _checks.require_known(operation, "is_causal", {"query": query, "key": key}, axes=(-2,))
     if causal_align != "bottom_right":
-        _masking.check_causal_align(_SDPA, causal_align, is_causal, key_lengths)
+        _masking.check_causal_align(operation, causal_align, is_causal, key_lengths)
     scale, batch_shape, n, m = check_attention_inputs(
-        _SDPA, xp, query, key, value, mask, key_lengths, scale, enable_gqa=enable_gqa
+        operation, xp, query, key, value, mask, key_lengths, scale, enable_gqa=enable_gqa
     )
-    given_batch_shape, given_n = batch_shape, n
+    call = _grouping.GroupedCall(query, key, value, mask, key_lengths, is_causal, batch_shape, n)
     if causal_align != "bottom_right" or enable_gqa:
-        query, key, value, mask, key_lengths, is_causal, batch_shape, n = as_computed(
-            xp,
-            _grouping.GroupedCall(query, key, value, mask, key_lengths, is_causal, batch_shape, n),
-            causal_align=causal_align,
-            enable_gqa=enable_gqa,
-            dropout_p=dropout_p,
-        )
+        call = as_computed(xp, call, causal_align=causal_align, enable_gqa=enable_gqa, dropout_p=dropout_p)
+    return ValidatedCall(chosen, reason, call, scale, batch_shape, n, return_weights, dropout_p, enable_gqa)
+
+
+def computed(call: ValidatedCall, *, chunk_size: Any, dropout_seed: Any, signature: Any = None) -> Any:
+    """The result of a validated call, in its computed layout: the
+    backend's native where it takes the call, else the generic algorithm
+    (in tiles where :func:`choose_chunks` says).  ``signature``: the call's
+    plan key (:mod:`attnx._plans`), for a backend's plan of it."""
+    chosen, xp = call.chosen, call.chosen.xp
+    query, key, value, mask, key_lengths, is_causal, batch_shape, n = call.computed
+    m = key.shape[-2]
     block_bytes = chosen.block_bytes_on(_checks.device_of(query))
     if _checks.traced(query):  # a traced program compiles each block and dispatches none
         block_bytes = max(block_bytes, _tiling.TRACED_BLOCK_BYTES)
@@ -245,7 +316,7 @@ def scaled_dot_product_attention(
         m,
         batch_shape,
         chunk_size,
-        return_weights,
+        call.return_weights,
         is_causal,
         chosen.concurrent_blocks,
         block_bytes,
@@ -257,30 +328,26 @@ def scaled_dot_product_attention(
         "mask": mask,
         "key_lengths": key_lengths,
         "is_causal": is_causal,
-        "scale": scale,
-        "return_weights": return_weights,
+        "scale": call.scale,
+        "return_weights": call.return_weights,
         "chunks": chunks,
         "batch_shape": batch_shape,
         "chunk_size": chunk_size,
     }
     if signature is not None:
-        plan = _plans.make(_SDPA, signature, chosen, reason, arguments)
+        plan = _plans.make(_SDPA, signature, chosen, call.reason, arguments)
         if plan is not None:
             return plan(query, key, value)
     options = {}
     if chunks is not None:
         options = {"map_blocks": chosen.map_blocks, "concurrent_blocks": chosen.concurrent_blocks}
         options.update(block_bytes=block_bytes, custom_vjp=chosen.custom_vjp)
+    dropout_p = call.dropout_p
     if dropout_p:
         options["dropout"] = _dropout.make(xp, dropout_p, dropout_seed, batch_shape, query)
-    result = _dispatch.call(
-        _SDPA, chosen, reason, sdpa_generic, arguments, options, generic_for="dropout" if dropout_p else None
+    return _dispatch.call(
+        _SDPA, chosen, call.reason, sdpa_generic, arguments, options, generic_for="dropout" if dropout_p else None
     )
-    if not enable_gqa:
-        return result
-    if return_weights:
-        return tuple(_grouping.ungroup(xp, part, (*given_batch_shape, given_n, part.shape[-1])) for part in result)
-    return _grouping.ungroup(xp, result, (*given_batch_shape, given_n, result.shape[-1]))
 
 
 def as_computed(

@@ -172,7 +172,33 @@ def scaled_dot_product_attention(
         if masked:
             return _attend_small_masked(query, key, value, scale, is_causal, mask, key_lengths, batch_shape)
         return _attend_small(query, key, value, scale, is_causal)
-    masks = CallMasks(mask, key_lengths, batch_shape, n, m) if masked else None
+    output, _ = attend(query, key, value, mask, key_lengths, is_causal, scale, chunks, batch_shape, chunk_size, backend)
+    return output.reshape(*batch_shape, n, value.shape[-1])
+
+
+def attend(
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: Any,
+    chunks: tuple[int, int] | None,
+    batch_shape: tuple[int, ...],
+    chunk_size: Any,
+    backend: Any,
+    with_stats: bool = False,
+) -> tuple[Any, Any]:
+    """The blocked computation of a call the native takes (checked by
+    :func:`_slices_taken`, ``scale`` in the inputs' dtype): ``(output,
+    stats)``, the output ``(slices, n, d_v)`` and, ``with_stats``, each
+    row's log-sum-exp of its scores ``(slices, n, 1)``, from which a
+    backward makes the weights again (0 for a row that attends nothing:
+    its weights are all 0 whatever it is); else None."""
+    slices, n, m = math.prod(batch_shape), query.shape[-2], key.shape[-2]
+    dtype = query.dtype
+    masks = CallMasks(mask, key_lengths, batch_shape, n, m) if mask is not None or key_lengths is not None else None
     d_v = value.shape[-1]
     threads, budget = backend.concurrent_blocks, get_memory_budget(backend, "cpu")
     # Queries within a thread's share of the budget are scaled once, here: a
@@ -234,6 +260,8 @@ def scaled_dot_product_attention(
     # Each row's sum of weights: the tasks' normalisers, and the test of
     # whether their exponentials could be taken unshifted.
     totals = np.empty((slices, n, 1), dtype=dtype)
+    # Each row's shift, where with_stats: 0 for rows attended unshifted.
+    shifts = np.zeros((slices, n, 1), dtype=dtype) if with_stats else None
 
     def attend(task: tuple[tuple[int, int, int, int], bool]) -> None:
         span, shifted = task
@@ -268,6 +296,7 @@ def scaled_dot_product_attention(
                     scratch,
                     block_masks,
                     factors,
+                    None if shifts is None else shifts[a0:a1, b0:b1],
                     shifted,
                 )
 
@@ -289,7 +318,9 @@ def scaled_dot_product_attention(
             ],
             True,
         )
-    return output.reshape(*batch_shape, n, d_v)
+    if shifts is None:
+        return output, None
+    return output, shifts + np.log(totals)
 
 
 def _as_slices(array: Any, batch_shape: tuple[int, ...], slices: int) -> Any:
@@ -531,6 +562,7 @@ def _attend_block(
     buffer: Any,
     masks: BlockMasks | None,
     factors: Any,
+    shifts: Any,
     shifted: bool,
 ) -> None:
     """Attention of the queries ``r0:r0 + rows`` (``query``: ``(slices, rows,
@@ -540,7 +572,9 @@ def _attend_block(
     least ``slices * rows * key_chunk``) holds the scores.  The online
     softmax, its rows ``shifted`` by their running maximum or not at all (see
     the module's docstring).  ``masks`` are those of these slices, and
-    ``factors`` (flat, as large as ``buffer``) holds their lengths' factors."""
+    ``factors`` (flat, as large as ``buffer``) holds their lengths' factors;
+    ``shifts`` (``(slices, rows, 1)``, or None), where the rows are
+    shifted, gets each row's final shift."""
     rows, m = query.shape[1], key_t.shape[-1]
     if scale is not None:  # (slices, rows, d_k): small, unlike the scores
         query = query * scale
@@ -552,6 +586,8 @@ def _attend_block(
     if stop == 0:  # no row has a key to attend (lengths of 0): zeros, as attnx's algorithm gives
         output[...] = 0
         totals[...] = 1
+        if shifts is not None:
+            shifts[...] = 0
         return
     shift = None
     for c0 in range(0, stop, key_chunk):
@@ -603,4 +639,6 @@ def _attend_block(
             output += scores @ value[:, c0:c1]
     if shifted and masks is not None:  # a row with no key to attend: zeros, never NaN
         np.copyto(totals, 1, where=totals == 0)
+    if shifted and shifts is not None:
+        np.copyto(shifts, shift if masks is None else np.where(shift == -np.inf, 0, shift))
     output /= totals

@@ -97,10 +97,14 @@ class NumPyBackend(Backend):
         if self._natives is None:
             from functools import partial
 
-            from . import numpy_attention
+            from . import numpy_attention, numpy_backward
 
-            sdpa = partial(numpy_attention.scaled_dot_product_attention, backend=self)
-            self._natives = {"scaled_dot_product_attention": sdpa}
+            self._natives = {
+                "scaled_dot_product_attention": partial(numpy_attention.scaled_dot_product_attention, backend=self),
+                "vjp(scaled_dot_product_attention)": partial(
+                    numpy_backward.scaled_dot_product_attention_vjp, backend=self
+                ),
+            }
         return self._natives
 
     def specialize(self, operation: str, arguments: Mapping[str, Any]) -> Callable[..., Any] | None:
