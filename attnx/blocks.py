@@ -40,6 +40,7 @@ from attnx import _checks, _masking
 
 __all__ = [
     "attend_block",
+    "attend_block_vjp",
     "combine",
     "combine_along",
     "finish",
@@ -179,22 +180,138 @@ def attend_block(
         )
     _checks.leading_shape(query, key, value, "attend_block")
     compute, (query, key, value) = _checks.in_accumulation_dtype(xp, query, key, value)
+    future, allowed, additive = _block_masks(xp, query, key, compute, mask, is_causal, offset, scores_shape)
+    if future:
+        leading, rows, device = _checks.leading_shape(query, key, value), query.shape[-2], _checks.device_of(query)
+        nothing = xp.zeros((*leading, rows, value.shape[-1] + 1), dtype=compute, device=device)
+        return xp.concat([nothing, xp.full((*leading, rows, 1), -float("inf"), dtype=compute, device=device)], axis=-1)
+    return from_scores((query * scale) @ xp.matrix_transpose(key), value, allowed=allowed, additive=additive, xp=xp)
+
+
+def _block_masks(
+    xp: Any,
+    query: Any,
+    key: Any,
+    compute: Any,
+    mask: Any,
+    is_causal: bool,
+    offset: tuple[int, int],
+    scores_shape: tuple[int, int] | None,
+) -> tuple[bool, Any, Any]:
+    """``(future, allowed, additive)`` of a block (:func:`attend_block`'s
+    arguments): whether every key lies in every query's causal future, and
+    the block's masks combined, boolean and real (each None where absent)."""
     rows, cols = query.shape[-2], key.shape[-2]
     n, m = scores_shape if scores_shape is not None else (rows, cols)
-    (r0, c0), device = offset, _checks.device_of(query)
-    allowed = None
+    r0, c0 = offset
+    allowed = additive = None
     if is_causal:
-        if c0 > r0 + rows - 1 + (m - n):  # every key lies in every query's future
-            leading = _checks.leading_shape(query, key, value)
-            nothing = xp.zeros((*leading, rows, value.shape[-1] + 1), dtype=compute, device=device)
-            return xp.concat(
-                [nothing, xp.full((*leading, rows, 1), -float("inf"), dtype=compute, device=device)], axis=-1
-            )
-        allowed = _masking.causal(xp, n, m, device=device, rows=(r0, r0 + rows), cols=(c0, c0 + cols))
-    additive = None
+        if c0 > r0 + rows - 1 + (m - n):
+            return True, None, None
+        allowed = _masking.causal(xp, n, m, device=_checks.device_of(query), rows=(r0, r0 + rows), cols=(c0, c0 + cols))
     for one in mask if isinstance(mask, tuple) else (mask,):
         allowed, additive = _masking.with_mask(xp, allowed, additive, one, compute)
-    return from_scores((query * scale) @ xp.matrix_transpose(key), value, allowed=allowed, additive=additive, xp=xp)
+    return False, allowed, additive
+
+
+def attend_block_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    d_output: Any,
+    state: Any,
+    *,
+    scale: Any,
+    mask: Any = None,
+    is_causal: bool = False,
+    offset: tuple[int, int] = (0, 0),
+    scores_shape: tuple[int, int] | None = None,
+    xp: Any = None,
+) -> tuple[Any, Any, Any, Any]:
+    """A block's parts of attention's gradients: FlashAttention-2's backward
+    of one block of queries over one block of keys.
+
+    Summed over the blocks of keys, the parts of ``d_query`` are the
+    gradient of the queries; summed over the blocks of queries, those of
+    ``d_key`` and ``d_value`` are the keys' and values'.  Each block makes
+    its weights again from ``state``, so no block needs another's.
+
+    Parameters
+    ----------
+    query, key, value, scale, mask, is_causal, offset, scores_shape
+        As for :func:`attend_block`.
+    d_output : array, shape (..., rows, d_v)
+        The gradient of the attention output of these queries (over every key).
+    state : array, shape (..., rows, d_v + 2)
+        The combined state of these queries over *every* key (whose
+        :func:`finish` is their output), in the state dtype.
+
+    Returns
+    -------
+    d_query : array, shape (..., rows, d_k)
+    d_key : array, shape (..., cols, d_k)
+    d_value : array, shape (..., cols, d_v)
+    d_scale : array, shape (..., rows, 1)
+        Each query's part of the gradient of ``scale``, over this block's keys.
+
+    All over the leading shape the inputs broadcast to (sum them to an
+    input's own), in the state dtype.  A key that no query of the block may
+    attend, and a query with nothing to attend, get zeros, never NaN.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from attnx import blocks
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.normal(size=(4, 8)), rng.normal(size=(6, 8)), rng.normal(size=(6, 3))
+    >>> state = blocks.attend_block(q, k, v, scale=0.5)
+    >>> d_out = rng.normal(size=(4, 3))
+    >>> left = blocks.attend_block_vjp(q, k[:2], v[:2], d_out, state, scale=0.5)
+    >>> right = blocks.attend_block_vjp(q, k[2:], v[2:], d_out, state, scale=0.5, offset=(0, 2), scores_shape=(4, 6))
+    >>> whole = blocks.attend_block_vjp(q, k, v, d_out, state, scale=0.5)
+    >>> bool(np.allclose(left[0] + right[0], whole[0]))
+    True
+    >>> bool(np.allclose(np.concatenate([left[1], right[1]]), whole[1]))
+    True
+    """
+    xp = xp or _checks.common_namespace(query, key, value, d_output, state)
+    layouts = ("(..., rows, d_k)", "(..., cols, d_k)", "(..., cols, d_v)")
+    _checks.require_query_key_value("attend_block_vjp", xp, query, key, value, layouts)
+    _require_states("attend_block_vjp", {"state": state})
+    d_v = value.shape[-1]
+    if tuple(state.shape[-2:]) != (query.shape[-2], d_v + 2) or tuple(d_output.shape[-2:]) != (query.shape[-2], d_v):
+        raise ValueError(
+            f"attend_block_vjp: d_output and state must have shapes (..., rows, d_v) and (..., rows, d_v + 2) "
+            f"with rows = {query.shape[-2]} and d_v = {d_v}, got {_checks.shape_of(d_output)} and {_checks.shape_of(state)}"
+        )
+    compute, (query, key, value, d_output) = _checks.in_accumulation_dtype(xp, query, key, value, d_output)
+    future, allowed, additive = _block_masks(xp, query, key, compute, mask, is_causal, offset, scores_shape)
+    leading = _checks.broadcast(
+        "attend_block_vjp",
+        {
+            name: a.shape[:-2]
+            for name, a in zip(_checks.QKV + ("d_output", "state"), (query, key, value, d_output, state))
+        },
+        _checks.LEADING,
+    )
+    device = _checks.device_of(query)
+    if future:  # no weight: no gradient
+        rows, cols = query.shape[-2], key.shape[-2]
+        shapes = ((rows, query.shape[-1]), (cols, key.shape[-1]), (cols, d_v), (rows, 1))
+        return tuple(xp.zeros((*leading, *shape), dtype=compute, device=device) for shape in shapes)
+    row_max, total = state[..., -1:], _masking.nonzero_total(xp, state[..., -2:-1])
+    shift = xp.sum(d_output * finish(state, xp=xp), axis=-1, keepdims=True)  # rowsum(dO * O)
+    raw = query @ xp.matrix_transpose(key)  # the scores, unscaled
+    weights, _ = _masking.unnormalised_softmax(xp, raw * scale, allowed, additive, running_max=row_max)
+    probabilities = weights / total  # 0 where masked or nothing attended
+    d_scores = probabilities * (d_output @ xp.matrix_transpose(value) - shift)
+    d_rows = d_scores @ key  # d_query unscaled
+    return (
+        d_rows * scale,
+        xp.matrix_transpose(d_scores) @ (query * scale),
+        xp.matrix_transpose(probabilities) @ d_output,
+        xp.sum(d_scores * raw, axis=-1, keepdims=True),
+    )
 
 
 def combine(first: Any, second: Any, *, xp: Any = None) -> Any:

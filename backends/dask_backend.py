@@ -128,6 +128,7 @@ class DaskBackend(Backend):
 
             self._natives = {
                 "scaled_dot_product_attention": dask_attention.scaled_dot_product_attention,
+                "vjp(scaled_dot_product_attention)": dask_attention.scaled_dot_product_attention_vjp,
                 "nadaraya_watson": dask_attention.nadaraya_watson,
                 "causal_conv1d": dask_attention.causal_conv1d,
             }

@@ -69,6 +69,82 @@ def test_states_of_split_keys_combine_to_attention(attnx_backend, split, masks):
         assert_close(blocks.finish(state), expected, be, be.dtype("float64"))
 
 
+#: Query splits of n = 7, for the backward's blocks.
+ROW_SPLITS = {"whole": [(0, 7)], "uneven": [(0, 3), (3, 4), (4, 7)]}
+
+
+@pytest.mark.parametrize("split", ["whole", "uneven"])
+@pytest.mark.parametrize("masks", ["none", "causal", "boolean and additive"])
+def test_gradients_of_blocks_sum_to_attentions(attnx_backend, split, masks):
+    """attend_block_vjp's parts, summed over the blocks of keys (queries)
+    and of queries (keys, values), are the float64 chain rule's gradients;
+    a row with nothing to attend gets zeros."""
+    be = attnx_backend
+    gen = rng(74)
+    q, k, v = gen.standard_normal((2, 7, 4)), gen.standard_normal((2, 11, 4)), gen.standard_normal((2, 11, 3))
+    cotangent = gen.standard_normal((2, 7, 3))
+    allowed_np = gen.random((7, 11)) < 0.6
+    allowed_np[2] = False  # a row with nothing to attend
+    additive_np = gen.standard_normal((2, 7, 11))
+    query, key, value, d_output = _on(be, (q, k, v, cotangent))
+    is_causal = masks == "causal"
+
+    def block_masks(rows, cols):
+        if masks != "boolean and additive":
+            return ()
+        return (
+            be.array(allowed_np[rows[0] : rows[1], cols[0] : cols[1]]),
+            be.array(additive_np[..., rows[0] : rows[1], cols[0] : cols[1]], "float64"),
+        )
+
+    place = {"is_causal": is_causal, "scores_shape": (7, 11), "scale": 0.5}
+    d_query, d_key, d_value, d_scale = [], 0, 0, 0
+    for rows in ROW_SPLITS[split]:
+        q_rows, d_rows = query[..., rows[0] : rows[1], :], d_output[..., rows[0] : rows[1], :]
+        states = [
+            blocks.attend_block(
+                q_rows,
+                key[..., c0:c1, :],
+                value[..., c0:c1, :],
+                mask=block_masks(rows, (c0, c1)),
+                offset=(rows[0], c0),
+                **place,
+            )
+            for c0, c1 in SPLITS["uneven"]
+        ]
+        state = blocks.combine_along(be.xp.stack(states, axis=0), 0)
+        key_parts, value_parts, row_part = [], [], 0
+        for c0, c1 in SPLITS["uneven"]:
+            parts = blocks.attend_block_vjp(
+                q_rows,
+                key[..., c0:c1, :],
+                value[..., c0:c1, :],
+                d_rows,
+                state,
+                mask=block_masks(rows, (c0, c1)),
+                offset=(rows[0], c0),
+                **place,
+            )
+            row_part = row_part + parts[0]
+            key_parts.append(parts[1])
+            value_parts.append(parts[2])
+            d_scale = d_scale + be.xp.sum(parts[3])
+        d_query.append(row_part)
+        d_key = d_key + be.xp.concat(key_parts, axis=-2)
+        d_value = d_value + be.xp.concat(value_parts, axis=-2)
+    exact = [rounded(a, be, be.dtype("float64")) for a in (q, k, v, cotangent)]
+    allowed = additive = None
+    if is_causal:
+        allowed = reference.allowed_mask(7, 11, batch_shape=(2,), is_causal=True)
+    if masks == "boolean and additive":
+        allowed, additive = np.broadcast_to(allowed_np, (2, 7, 11)), additive_np
+    expected = reference.scaled_dot_product_attention_vjp(*exact, allowed=allowed, additive=additive, scale=0.5)
+    got = {"query": be.xp.concat(d_query, axis=-2), "key": d_key, "value": d_value, "scale": d_scale}
+    for name, gradient in got.items():
+        assert_close(gradient, expected[name], be, be.dtype("float64"))
+    assert np.all(be.numpy(got["query"])[:, 2] == 0) if masks == "boolean and additive" else True
+
+
 def test_a_block_in_the_causal_future_attends_nothing(attnx_backend):
     be = attnx_backend
     # An odd d_v: the state is d_v + 1 wide (d_v | 1 is that only when d_v is even).

@@ -30,6 +30,18 @@ def _tasks(array):
     return len(dict(array.__dask_graph__()))
 
 
+def _depth(graph):
+    """The longest chain of tasks in ``graph``, each waiting on the last."""
+    depths = {}
+
+    def depth(task):
+        if task not in depths:
+            depths[task] = 1 + max((depth(one) for one in get_dependencies(graph, task)), default=0)
+        return depths[task]
+
+    return max(depth(task) for task in graph)
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_tasks_grow_with_chunks_not_rows(is_causal):
     counts = []
@@ -62,6 +74,35 @@ def test_keys_split_over_chunks_are_combined_in_a_tree():
     fan_in = max(len(get_dependencies(graph, name)) for name in graph)
     assert fan_in <= 8
     np.testing.assert_allclose(output.compute(), _reference(q, k, v), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_the_backward_follows_the_chunks_and_sums_in_trees(is_causal):
+    """attnx.vjp on queries and keys in 16 chunks each: every gradient is
+    summed over the other side's chunks in a tree (no task waits on more
+    than 8 others: one waiting on all 16 would gather a whole side), the
+    graph grows with the chunks and not with the rows, and the gradients
+    are the float64 chain rule's."""
+    counts = []
+    for n in (128, 256):
+        q, k, v = _inputs((1, 2, n, 8), (1, 2, n, 8), 4, seed=4)
+        cotangent = np.random.default_rng(5).standard_normal((1, 2, n, 4))
+        chunks = (1, 2, n // 16, 8)
+        lazy = [da.from_array(a, chunks=chunks[:-1] + (a.shape[-1],)) for a in (q, k, v)]
+        # A budget that cuts the scores into attnx's own tiles, which the chunks overrule
+        with attnx.memory_budget(2**14):
+            _, backward = attnx.vjp(attnx.scaled_dot_product_attention, *lazy, is_causal=is_causal)
+            grads = backward(da.from_array(cotangent, chunks=chunks[:-1] + (4,)))
+        for name in ("query", "key", "value"):
+            graph = dict(grads[name].__dask_graph__())
+            assert max(len(get_dependencies(graph, task)) for task in graph) <= 8, name
+            assert _depth(graph) <= 12, name  # a tree over 16 chunks, not a chain along them
+        counts.append(_tasks(grads["key"]))
+    allowed = reference.allowed_mask(n, n, batch_shape=(1, 2), is_causal=is_causal)
+    expected = reference.scaled_dot_product_attention_vjp(q, k, v, cotangent, allowed=allowed)
+    for name in ("query", "key", "value"):
+        np.testing.assert_allclose(grads[name].compute(), expected[name], rtol=1e-9, atol=1e-11)
+    assert counts[0] == counts[1]
 
 
 def test_a_cache_chunked_along_its_length_decodes_without_gathering_it():
