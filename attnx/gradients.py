@@ -71,9 +71,8 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     Raises
     ------
     TypeError
-        If ``operation`` is not one that :func:`vjp` differentiates, a real
-        (additive) mask is given to ``multi_head_attention`` (its gradient
-        is not implemented yet), a ``score_mod`` of the user's own to
+        If ``operation`` is not one that :func:`vjp` differentiates, a
+        ``score_mod`` of the user's own is given to
         ``flex_attention`` (PyTorch's and JAX's autograd differentiate one), a kernel of the user's own to
         ``nadaraya_watson``, or the cotangent is not an array of the
         output's backend and dtype; and whatever ``operation`` raises for

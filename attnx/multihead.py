@@ -657,14 +657,7 @@ def multi_head_attention_vjp(
     _checks.require_flag(operation, "return_weights", return_weights)
     if return_weights:
         raise ValueError(f"{operation}: return_weights=True has two outputs; differentiate the output alone")
-    # Refused before any computation, as every bad input is.
     xp = _dispatch.resolve(operation, backend, ("query", "key", "value"), (query, key, value), 3)[0].xp
-    # (A mask that is no array is left to the forward's own checks, which name it.)
-    if getattr(mask, "dtype", None) is not None and _checks.is_float_dtype(xp, mask.dtype):
-        raise TypeError(
-            f"{operation}: the gradient of a real (additive) mask is not implemented yet; give a boolean mask "
-            f"(True attends), got dtype {_checks.dtype_label(mask.dtype)}"
-        )
     output = multi_head_attention(
         query,
         key,
@@ -713,6 +706,7 @@ def multi_head_attention_vjp(
         d_heads = _split_heads(xp, d_concat, h)  # (..., h, 1, n, d_v)
         d_heads = xp.reshape(d_heads, heads.shape)  # (..., h_kv, groups, n, d_v)
         heads_grads = heads_backward(d_heads)  # once: the tiled backward is the bulk of the work
+        inputs = {}
         d_q, d_k, d_v_heads = heads_grads["query"], heads_grads["key"], heads_grads["value"]
         d_q, d_k, d_v_heads = (
             _merge_heads(xp, a) for a in (xp.reshape(d_q, (*d_q.shape[:-4], h, 1, n, d_q.shape[-1])), d_k, d_v_heads)
@@ -723,7 +717,15 @@ def multi_head_attention_vjp(
             grads["bias_k"] = _cotangents.leading_sum(xp, d_k[..., -1, :], 1)
             grads["bias_v"] = _cotangents.leading_sum(xp, d_v_heads[..., -1, :], 1)
             d_k, d_v_heads = d_k[..., :-1, :], d_v_heads[..., :-1, :]
-        inputs = {}
+        if "mask" in heads_grads:  # a real mask, added to every head's scores: back from the heads' layout
+            d_mask = heads_grads["mask"][..., : heads_grads["mask"].shape[-1] - extra]  # not the appended keys'
+            shape = tuple(d_mask.shape)
+            d_mask = (
+                xp.reshape(d_mask, (*shape[:-4], shape[-4] * shape[-3], *shape[-2:]))
+                if per_head
+                else d_mask[..., 0, 0, :, :]
+            )
+            inputs["mask"] = _cotangents.like(xp, d_mask, mask)
         for name, x, d_projected, weight, bias in (
             ("query", query, d_q, "w_q", "b_q"),
             ("key", key, d_k, "w_k", "b_k"),

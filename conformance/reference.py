@@ -171,9 +171,11 @@ def multi_head_attention(
     num_kv_heads: int | None = None,
     allowed: np.ndarray | None = None,
     add_zero_attn: bool = False,
+    additive: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Head by head: (output, weights per head (..., h, n, m')).  ``allowed``
-    broadcasts to (..., n, m) or (..., h, n, m).  ``params["bias_k"]`` and
+    (and a real ``additive`` mask, added to the scores) broadcasts to (...,
+    n, m) or (..., h, n, m).  ``params["bias_k"]`` and
     ``["bias_v"]`` append one key/value row after the projections, and
     ``add_zero_attn`` a row of zeros to every head: m' = m + 1 or m + 2,
     those keys attended by every query."""
@@ -194,6 +196,8 @@ def multi_head_attention(
         extra += 1
     if allowed is not None and extra:
         allowed = np.concatenate([allowed, np.ones((*allowed.shape[:-1], extra), dtype=bool)], axis=-1)
+    if additive is not None and extra:
+        additive = np.concatenate([additive, np.zeros((*additive.shape[:-1], extra))], axis=-1)
     d_k, d_v = q.shape[-1] // h, v.shape[-1] // h_kv
     # A per-head mask has the inputs' broadcast leading dimensions, then (h, n, m):
     # counted from all three inputs, as key or value may have more than query.
@@ -201,14 +205,16 @@ def multi_head_attention(
     heads, weights = [], []
     for i in range(h):
         j = i // (h // h_kv)
-        head_allowed = allowed
-        if allowed is not None and allowed.ndim == per_head_ndim and allowed.shape[-3] == h:
-            head_allowed = allowed[..., i, :, :]
+        head_allowed, head_additive = (
+            mask[..., i, :, :] if mask is not None and mask.ndim == per_head_ndim and mask.shape[-3] == h else mask
+            for mask in (allowed, additive)
+        )
         out, w = scaled_dot_product_attention(
             q[..., i * d_k : (i + 1) * d_k],
             k[..., j * d_k : (j + 1) * d_k],
             v[..., j * d_v : (j + 1) * d_v],
             allowed=head_allowed,
+            additive=head_additive,
         )
         heads.append(out)
         weights.append(w)

@@ -227,12 +227,13 @@ def test_learned_positions_gradients_sum_into_the_rows_read(attnx_backend, posit
     [
         ("grouped heads, causal, padding with an empty row", 1, False),
         ("bias_k, bias_v and a zero key, per-head mask", 2, True),
+        ("a real mask per head with -inf, padding", 2, "real"),
     ],
 )
 def test_multi_head_gradients_equal_finite_differences_of_the_reference(attnx_backend, name, num_kv_heads, extras):
     """Each argument's gradient, projected on a random direction, against the
     float64 reference's central difference along it (the reference is
-    linear in no argument, so a wrong gradient shows)."""
+    linear in no argument, so a wrong gradient shows); a real mask's too."""
     be = attnx_backend
     dtype = be.dtype("float64")
     gen = rng(64, num_kv_heads)
@@ -251,11 +252,18 @@ def test_multi_head_gradients_equal_finite_differences_of_the_reference(attnx_ba
         "b_q": gen.standard_normal(h * d_k),
         "b_o": gen.standard_normal(d_model),
     }
-    if extras:
+    if extras is True:
         params.update(bias_k=gen.standard_normal(num_kv_heads * d_k), bias_v=gen.standard_normal(num_kv_heads * d_k))
+    if extras == "real":  # per head, a key forbidden by -inf, and padding
+        data["mask"] = gen.standard_normal((2, h, n, m))
+        data["mask"][..., 1] = -np.inf
     data = {k: rounded(v, be, dtype) for k, v in data.items()}
     params = {k: rounded(v, be, dtype) for k, v in params.items()}
-    if extras:  # per head: each head its own pattern
+    if extras == "real":
+        lengths = np.array([m, 4])
+        allowed = reference.allowed_mask(n, m, batch_shape=(2,), key_lengths=lengths)
+        options = {"key_lengths": be.array(lengths), "mask": be.array(data["mask"], dtype)}
+    elif extras:  # per head: each head its own pattern
         allowed = gen.random((2, h, n, m)) < 0.7
         options = {"mask": be.array(allowed), "add_zero_attn": True}
     else:
@@ -272,10 +280,16 @@ def test_multi_head_gradients_equal_finite_differences_of_the_reference(attnx_ba
     )
     cotangent = rounded(gen.standard_normal((2, n, d_model)), be, dtype)
     grads = backward(be.array(cotangent, dtype))
+    if extras == "real":  # the forbidden key: its mask entries get no gradient (a difference there is NaN)
+        assert np.all(be.numpy(grads["mask"])[..., 1] == 0)
+        grads["mask"] = be.xp.take(grads["mask"], be.array(np.array([0, 2, 3, 4, 5])), axis=-1)
+        data["mask"] = data["mask"][..., [0, 2, 3, 4, 5]]
 
-    def loss(query, key, value, params):
+    def loss(query, key, value, params, mask=None):
+        if mask is not None:  # the forbidden key back in
+            mask = np.concatenate([mask[..., :1], np.full((*mask.shape[:-1], 1), -np.inf), mask[..., 1:]], axis=-1)
         out, _ = reference.multi_head_attention(
-            query, key, value, params, h, num_kv_heads, allowed=allowed, add_zero_attn=extras
+            query, key, value, params, h, num_kv_heads, allowed=allowed, add_zero_attn=extras is True, additive=mask
         )
         return float((out * cotangent).sum())
 
