@@ -55,7 +55,7 @@ def flex_attention_vjp(
             name = getattr(score_mod, "__qualname__", type(score_mod).__name__)
             raise TypeError(
                 f"{operation}: can't differentiate the score_mod {name}, a function of your own, on "
-                f"{chosen.name!r}: attnx differentiates the score_mods of attnx.mods that say how (alibi, soft_cap); "
+                f"{chosen.name!r}: attnx differentiates the score_mods of attnx.mods that say how (alibi, relative_bias, soft_cap); "
                 "PyTorch's and JAX's autograd differentiate any score_mod, and what it closes over"
             )
     xp, given_scale, scale = chosen.xp, scale, arguments["scale"]

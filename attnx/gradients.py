@@ -35,7 +35,7 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
         :func:`attnx.scaled_dot_product_attention`,
         :func:`attnx.masked_softmax`, :func:`attnx.flex_attention` (a
         block mask, and the score_mods of :mod:`attnx.mods` that carry
-        their backward: ``alibi``, ``soft_cap``), :func:`attnx.multi_head_attention`,
+        their backward: ``alibi``, ``relative_bias``, ``soft_cap``), :func:`attnx.multi_head_attention`,
         :func:`attnx.additive_attention`, :func:`attnx.bahdanau_context`,
         :func:`attnx.nadaraya_watson`, :func:`attnx.causal_conv1d`,
         :func:`attnx.apply_rotary` or an :class:`attnx.LearnedPositions`

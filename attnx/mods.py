@@ -388,7 +388,9 @@ def relative_bias(table: Array) -> Any:
     Parameters
     ----------
     table : real array, shape (2R + 1,) or (H, 2R + 1)
-        One bias per distance (per head), of the inputs' backend and dtype.
+        One bias per distance (per head), of the inputs' backend and dtype;
+        gradients reach it where the backend has autograd, and through
+        :func:`attnx.vjp` on every backend (``grads["score_mod"]["table"]``).
 
     Returns
     -------
@@ -421,12 +423,37 @@ def relative_bias(table: Array) -> Any:
             f"relative_bias: table must have an odd length 2R + 1 on its last axis, got shape {_checks.shape_of(table)}"
         )
 
-    def bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        xp, distance = _checks.namespace_of(score), q_idx - kv_idx
+    def bucket(xp: Any, distance: Any) -> Any:
         # where, not clip: array-api-compat's clip reads its bounds in Python, which PyTorch's flex can't trace
-        distance = xp.where(distance > reach, reach, xp.where(distance < -reach, -reach, distance)) + reach
+        return xp.where(distance > reach, reach, xp.where(distance < -reach, -reach, distance)) + reach
+
+    def bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        distance = bucket(_checks.namespace_of(score), q_idx - kv_idx)
         return score + (table[distance] if table.ndim == 1 else table[h, distance])
 
+    def backward(d_score: Any, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> tuple[Any, dict[str, Any]]:
+        """The table's gradient: the tile's scores' gradient summed along
+        each diagonal (one distance ``q - kv`` each), without a scatter."""
+        xp, device = _checks.namespace_of(d_score), _checks.device_of(d_score)
+        *lead, rows, cols = d_score.shape
+        # A skew: keys reversed and each row padded with `rows` zeros, then the tile read flat in rows
+        # one shorter, puts entry (i, j) in column i - j + cols - 1.
+        padded = xp.concat(
+            [xp.flip(d_score, axis=-1), xp.zeros((*lead, rows, rows), dtype=d_score.dtype, device=device)], axis=-1
+        )
+        flat = xp.reshape(padded, (*lead, rows * (cols + rows)))[..., : rows * (cols + rows - 1)]
+        diagonals = xp.sum(xp.reshape(flat, (*lead, rows, cols + rows - 1)), axis=-2)  # (B, H, rows + cols - 1)
+        # Each diagonal's distance, from the tile's first query and first key, then its bucket.
+        first = xp.reshape(q_idx, (-1,))[:1] - xp.reshape(kv_idx, (-1,))[:1]
+        distances = first + xp.arange(rows + cols - 1, dtype=first.dtype, device=device) - (cols - 1)
+        buckets = bucket(xp, distances)
+        one_hot = xp.astype(
+            buckets[:, None] == xp.arange(2 * reach + 1, dtype=buckets.dtype, device=device), d_score.dtype
+        )
+        per_head = xp.sum(diagonals @ one_hot, axis=0)  # (H, 2R + 1)
+        return d_score, {"table": xp.sum(per_head, axis=0) if table.ndim == 1 else per_head}
+
+    with_backward(bias, backward, table=table)
     return bias if table.ndim == 1 else for_sizes(bias, ("relative_bias", "table", "H", table.shape[0]))
 
 

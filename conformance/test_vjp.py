@@ -477,14 +477,15 @@ def test_flex_gradients_walk_the_block_masks_blocks(attnx_backend, dropout_p):
     assert_close(grads["scale"], expected["scale"], be, dtype, scale=16.0)
 
 
-@pytest.mark.parametrize("mod", ["alibi", "soft_cap"])
+@pytest.mark.parametrize("mod", ["alibi", "relative_bias", "soft_cap"])
 def test_flex_gradients_reach_the_score_mods_tables(attnx_backend, mod):
     """``attnx.vjp`` of flex attention with the score_mods of attnx.mods
-    that carry their backward: ALiBi's slopes get their gradient under
+    that carry their backward: ALiBi's slopes and a relative bias's table
+    (per head, distances past its reach clipped) get their gradients under
     ``"score_mod"``, and the soft cap's derivative reaches the inputs;
     against central differences of the float64 reference."""
     be = attnx_backend
-    if mod == "alibi":
+    if mod != "soft_cap":
         _indexable(be)
     dtype = be.dtype("float64")
     batch, heads, kv_heads, n, m = 2, 4, 2, 7, 9
@@ -496,14 +497,18 @@ def test_flex_gradients_reach_the_score_mods_tables(attnx_backend, mod):
     }
     if mod == "alibi":
         arguments["params"] = {"slopes": gen.random(heads)}
+    if mod == "relative_bias":  # R = 3: distances of up to 8 clipped
+        arguments["params"] = {"table": gen.standard_normal((heads, 7))}
     arguments = {
         k: (rounded(v, be, dtype) if k != "params" else {p: rounded(a, be, dtype) for p, a in v.items()})
         for k, v in arguments.items()
     }
     block_mask = attnx.create_block_mask(attnx.mods.causal, None, None, n, m, block_size=(2, 3), device=be.device)
-    score_mod = (
-        attnx.mods.alibi(be.array(arguments["params"]["slopes"], dtype)) if mod == "alibi" else attnx.mods.soft_cap(1.5)
-    )
+    score_mod = {
+        "alibi": lambda: attnx.mods.alibi(be.array(arguments["params"]["slopes"], dtype)),
+        "relative_bias": lambda: attnx.mods.relative_bias(be.array(arguments["params"]["table"], dtype)),
+        "soft_cap": lambda: attnx.mods.soft_cap(1.5),
+    }[mod]()
     output, backward = attnx.vjp(
         attnx.flex_attention,
         *(be.array(arguments[k], dtype) for k in ("query", "key", "value")),
@@ -513,8 +518,9 @@ def test_flex_gradients_reach_the_score_mods_tables(attnx_backend, mod):
     )
     cotangent = rounded(gen.standard_normal((batch, heads, n, 3)), be, dtype)
     grads = backward(be.array(cotangent, dtype))
-    assert sorted(grads) == (["key", "query", "score_mod", "value"] if mod == "alibi" else ["key", "query", "value"])
-    if mod == "alibi":
+    tables = mod != "soft_cap"
+    assert sorted(grads) == (["key", "query", "score_mod", "value"] if tables else ["key", "query", "value"])
+    if tables:
         grads["params"] = grads.pop("score_mod")  # the shape _directional_check reads
     allowed = np.arange(m)[None, :] <= np.arange(n)[:, None]
 
@@ -522,6 +528,8 @@ def test_flex_gradients_reach_the_score_mods_tables(attnx_backend, mod):
         def score(scores, b, h, i, j):
             if mod == "alibi":
                 return scores + params["slopes"][h] * (j - i)
+            if mod == "relative_bias":
+                return scores + params["table"][h, np.clip(i - j, -3, 3) + 3]
             return 1.5 * np.tanh(scores / 1.5)
 
         out, _ = reference.flex_attention(query, key, value, score=score, allowed=allowed)
