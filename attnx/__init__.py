@@ -31,9 +31,9 @@ unregister_plugin = _registry.unregister_plugin
 
 
 def __getattr__(name: str):
-    # attnx.plot and attnx.torch without importing them first, and without
-    # importing matplotlib or PyTorch with attnx.
-    if name in ("plot", "torch"):
+    # attnx.plot, attnx.torch and attnx.flax without importing them first, and
+    # without importing matplotlib, PyTorch or Flax with attnx.
+    if name in ("plot", "torch", "flax"):
         import importlib
 
         return importlib.import_module(f"attnx.{name}")
