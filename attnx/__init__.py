@@ -31,9 +31,9 @@ unregister_plugin = _registry.unregister_plugin
 
 
 def __getattr__(name: str):
-    # attnx.plot, attnx.torch and attnx.flax without importing them first, and
-    # without importing matplotlib, PyTorch or Flax with attnx.
-    if name in ("plot", "torch", "flax"):
+    # attnx.plot and the framework layers (attnx.torch, attnx.flax,
+    # attnx.keras) without importing them first, nor their libraries with attnx.
+    if name in ("plot", "torch", "flax", "keras"):
         import importlib
 
         return importlib.import_module(f"attnx.{name}")

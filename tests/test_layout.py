@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Modules of attnx that may import an array library: parameters drawn once
 #: in NumPy (the same numbers on every backend), the tools around the
 #: algorithms (benchmarks, plots, the command line), and the framework
-#: layers (attnx.torch: an nn.Module, attnx.flax: an nnx.Module, each
-#: imported only when asked for).
-ARRAY_LIBRARY_USERS = {"_params.py", "benchmark.py", "cli.py", "plot.py", "torch.py", "flax.py"}
+#: layers (attnx.torch: an nn.Module, attnx.flax: an nnx.Module,
+#: attnx.keras: a Keras layer, each imported only when asked for).
+ARRAY_LIBRARY_USERS = {"_params.py", "benchmark.py", "cli.py", "plot.py", "torch.py", "flax.py", "keras.py"}
 ARRAY_LIBRARIES = {"numpy", "torch", "cupy", "jax", "dask"}
 
 
