@@ -16,7 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from attnx.attention import scaled_dot_product_attention
+from attnx.flex import flex_attention
 from attnx.multihead import multi_head_attention
+from attnx.positional import apply_rotary
 
 __all__ = ["MultiheadAttention"]
 
@@ -44,6 +47,12 @@ class MultiheadAttention(nn.Module):
         key/value heads (dividing it).  The key and value projections are
         then ``k_proj_weight (num_kv_heads * head_dim, kdim)`` and
         ``v_proj_weight``, and ``in_proj_weight`` is not used.
+    rotary : bool
+        Rotary positions (:func:`attnx.apply_rotary`, interleaved pairs, base
+        ``rotary_base``) on each head's queries and keys, at positions ``0,
+        1, ...`` of their sequences; not with ``add_bias_kv`` or
+        ``add_zero_attn`` (their appended key has no position).
+    rotary_base : float
 
     Raises
     ------
@@ -82,6 +91,8 @@ class MultiheadAttention(nn.Module):
         dtype: Any = None,
         *,
         num_kv_heads: int | None = None,
+        rotary: bool = False,
+        rotary_base: float = 10000.0,
     ) -> None:
         factory = {"device": device, "dtype": dtype}
         super().__init__()
@@ -94,6 +105,14 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"MultiheadAttention: num_kv_heads must divide num_heads = {num_heads}, got {kv_heads}")
         if not 0.0 <= dropout <= 1.0:
             raise ValueError(f"MultiheadAttention: dropout must lie in [0, 1], got {dropout}")
+        if rotary and (add_bias_kv or add_zero_attn):
+            raise ValueError(
+                "MultiheadAttention: rotary=True can't be combined with add_bias_kv or add_zero_attn "
+                "(the key they append has no position)"
+            )
+        if rotary and (embed_dim // num_heads) % 2:
+            raise ValueError(f"MultiheadAttention: rotary=True needs an even head_dim, got {embed_dim // num_heads}")
+        self.rotary, self.rotary_base = bool(rotary), float(rotary_base)
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, kv_heads
         self.kdim = embed_dim if kdim is None else kdim
         self.vdim = embed_dim if vdim is None else vdim
@@ -163,6 +182,9 @@ class MultiheadAttention(nn.Module):
         attn_mask: torch.Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
+        *,
+        score_mod: Any = None,
+        block_mask: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``torch.nn.MultiheadAttention.forward``: inputs ``(L, N, E)``
         (``(N, L, E)`` with ``batch_first``, or unbatched ``(L, E)``); masks
@@ -171,9 +193,25 @@ class MultiheadAttention(nn.Module):
         num_heads, L, S)``; ``is_causal`` a hint that ``attn_mask`` is the
         causal mask, which it needs.  Returns the output and the weights
         (averaged over the heads unless ``average_attn_weights=False``), or
-        None for them where ``need_weights=False``."""
+        None for them where ``need_weights=False``.
+
+        ``score_mod`` and ``block_mask`` (keywords): the heads' attention is
+        :func:`attnx.flex_attention`'s with them (PyTorch's FlexAttention
+        convention, :mod:`attnx.mods`); masks then come as the block mask's
+        ``mask_mod`` (``key_padding_mask`` and ``attn_mask`` are refused),
+        and the layer takes no ``add_bias_kv`` or ``add_zero_attn``."""
         if is_causal and attn_mask is None:
             raise ValueError("MultiheadAttention: is_causal=True is a hint that attn_mask is the causal mask: give it")
+        flex = score_mod is not None or block_mask is not None
+        if flex and (key_padding_mask is not None or attn_mask is not None):
+            raise ValueError(
+                "MultiheadAttention: with score_mod or block_mask, give the masks as the block mask's mask_mod "
+                "(attnx.create_block_mask), not key_padding_mask or attn_mask"
+            )
+        if flex and (self.bias_k is not None or self.add_zero_attn):
+            raise ValueError(
+                "MultiheadAttention: score_mod and block_mask can't be combined with add_bias_kv or add_zero_attn"
+            )
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
@@ -185,25 +223,75 @@ class MultiheadAttention(nn.Module):
         if self.training and self.dropout > 0:
             options["dropout_p"] = float(self.dropout)
             options["dropout_seed"] = torch.randint(_SEEDS, (), device=query.device)
-        result = multi_head_attention(
-            query,
-            key,
-            value,
-            self.params(),
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            mask=mask,
-            return_weights=need_weights,
-            average_weights=average_attn_weights,
-            add_zero_attn=self.add_zero_attn,
-            **options,
-        )
-        output, weights = result if need_weights else (result, None)
+        if self.rotary or flex:
+            output, weights = self._heads_forward(query, key, value, mask, need_weights, score_mod, block_mask, options)
+            if weights is not None and average_attn_weights:
+                weights = weights.mean(dim=1)
+        else:
+            result = multi_head_attention(
+                query,
+                key,
+                value,
+                self.params(),
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                mask=mask,
+                return_weights=need_weights,
+                average_weights=average_attn_weights,
+                add_zero_attn=self.add_zero_attn,
+                **options,
+            )
+            output, weights = result if need_weights else (result, None)
         if not self.batch_first or unbatched:
             output = output.transpose(0, 1)
         if unbatched:
             output = output.squeeze(1)
             weights = None if weights is None else weights.squeeze(0)
+        return output, weights
+
+    def _heads_forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: Any,
+        need_weights: bool,
+        score_mod: Any,
+        block_mask: Any,
+        options: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The extras' path, batch first: the projections, the heads
+        ``(N, H, L, head_dim)`` (rotated where ``rotary``), attnx's SDPA or
+        flex attention on them, and the output projection."""
+        params = self.params()
+        heads = []
+        for x, name, count in (
+            (query, "q", self.num_heads),
+            (key, "k", self.num_kv_heads),
+            (value, "v", self.num_kv_heads),
+        ):
+            projected = x @ params[f"w_{name}"]
+            if f"b_{name}" in params:
+                projected = projected + params[f"b_{name}"]
+            heads.append(projected.unflatten(-1, (count, self.head_dim)).transpose(1, 2))
+        q, k, v = heads
+        if self.rotary:
+            q, k = (apply_rotary(x, base=self.rotary_base) for x in (q, k))
+        grouped = self.num_kv_heads != self.num_heads
+        if score_mod is not None or block_mask is not None:
+            result = flex_attention(
+                q, k, v, score_mod, block_mask, enable_gqa=grouped, return_weights=need_weights, **options
+            )
+        else:
+            if mask is not None and mask.dim() == 3:  # (N, 1, S): a padding mask, without the heads' axis
+                mask = mask[:, None]
+            result = scaled_dot_product_attention(
+                q, k, v, mask=mask, enable_gqa=grouped, return_weights=need_weights, **options
+            )
+        output, weights = result if need_weights else (result, None)
+        output = output.transpose(1, 2).flatten(-2) @ params["w_o"]
+        if "b_o" in params:
+            output = output + params["b_o"]
         return output, weights
 
     def _attnx_mask(self, key_padding_mask: Any, attn_mask: Any, dtype: Any, batch: int) -> Any:

@@ -213,3 +213,115 @@ def test_a_model_trains_as_with_pytorchs_layer():
         losses[name] = curve
     assert losses["attnx"][-1] < 0.3 * losses["attnx"][0]
     assert max(abs(a - b) for a, b in zip(losses["attnx"], losses["torch"])) < 1e-3
+
+
+def _rotated(x, base=10000.0):
+    """RoPE from its formula, in PyTorch: pairs ``(x_2j, x_2j+1)`` at
+    position ``p`` turned by ``p * base^(-2j/d)``."""
+    n, d = x.shape[-2:]
+    angle = torch.arange(n, dtype=x.dtype)[:, None] * base ** (-torch.arange(0, d, 2, dtype=x.dtype) / d)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    turned = torch.stack([even * angle.cos() - odd * angle.sin(), even * angle.sin() + odd * angle.cos()], dim=-1)
+    return turned.flatten(-2)
+
+
+def _heads_by_hand(layer, query, key, value, attend):
+    """The layer's projections with PyTorch's own ops, its heads given to
+    ``attend(q, k, v)``, and the output projection: the reference for the
+    extras' path."""
+    params = layer.params()
+    heads = []
+    for x, name, count in (
+        (query, "q", layer.num_heads),
+        (key, "k", layer.num_kv_heads),
+        (value, "v", layer.num_kv_heads),
+    ):
+        heads.append(
+            (x @ params[f"w_{name}"] + params[f"b_{name}"]).unflatten(-1, (count, layer.head_dim)).transpose(1, 2)
+        )
+    out = attend(*heads)
+    return out.transpose(1, 2).flatten(-2) @ params["w_o"] + params["b_o"]
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_rotary_positions_equal_rope_then_pytorchs_sdpa(num_kv_heads):
+    """rotary=True: each head's queries and keys turned by RoPE (written
+    here from its formula) before attention; outputs and every parameter's
+    gradient against PyTorch's SDPA on the heads so turned, with a padding
+    mask and grouped heads."""
+    torch.manual_seed(0)
+    layer = attnx.torch.MultiheadAttention(
+        16, 4, batch_first=True, dtype=torch.float64, num_kv_heads=num_kv_heads, rotary=True
+    )
+    gen = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(2, n, 16, generator=gen, dtype=torch.float64) for n in (5, 7, 7))
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    padding[1, 5:] = True
+    out, _ = layer(query, key, value, key_padding_mask=padding, need_weights=False)
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            _rotated(q), _rotated(k), v, attn_mask=~padding[:, None, None, :], enable_gqa=num_kv_heads != 4
+        )
+
+    expected = _heads_by_hand(layer, query, key, value, attend)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    cotangent = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    ours = torch.autograd.grad(out, list(layer.parameters()), cotangent)
+    want = torch.autograd.grad(expected, list(layer.parameters()), cotangent)
+    for mine, theirs in zip(ours, want):
+        torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the reference's, eager
+def test_a_score_mod_and_block_mask_equal_pytorchs_flex_attention():
+    """forward(score_mod=, block_mask=): the heads' attention is flex
+    attention; against torch.nn.attention.flex_attention on the same heads,
+    ALiBi over a causal block mask, with grouped heads and the weights."""
+    from torch.nn.attention import flex_attention as torch_flex
+
+    from attnx import mods
+
+    torch.manual_seed(0)
+    layer = attnx.torch.MultiheadAttention(16, 4, batch_first=True, dtype=torch.float64, num_kv_heads=2)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 6, 16, generator=gen, dtype=torch.float64)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64)
+    block_mask = attnx.create_block_mask(mods.causal, None, None, 6, 6, block_size=2, backend="torch")
+    out, weights = layer(x, x, x, score_mod=mods.alibi(slopes), block_mask=block_mask, average_attn_weights=False)
+
+    def attend(q, k, v):
+        causal = torch_flex.create_block_mask(lambda b, h, i, j: i >= j, None, None, 6, 6, device="cpu")
+        return torch_flex.flex_attention(
+            q, k, v, score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i), block_mask=causal, enable_gqa=True
+        )
+
+    with torch.no_grad():  # PyTorch's flex has no backward on the CPU
+        expected = _heads_by_hand(layer, x, x, x, attend)
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-10, atol=1e-12)
+    out.sum().backward()  # attnx's flex does: gradients reach the layer's parameters
+    assert all(parameter.grad is not None for parameter in layer.parameters())
+    assert weights.shape == (2, 4, 6, 6) and torch.all(weights.triu(1) == 0)
+
+
+@pytest.mark.parametrize(
+    ("make", "call", "words"),
+    [
+        (lambda: attnx.torch.MultiheadAttention(8, 2, add_bias_kv=True, rotary=True), None, "rotary"),
+        (lambda: attnx.torch.MultiheadAttention(8, 2, rotary=True, num_kv_heads=1, kdim=6), None, None),
+        (
+            lambda: attnx.torch.MultiheadAttention(8, 2, batch_first=True),
+            {"key_padding_mask": torch.zeros(1, 3, dtype=torch.bool), "score_mod": lambda s, b, h, i, j: s},
+            "mask_mod",
+        ),
+    ],
+    ids=["rotary with bias_kv", "rotary with kdim (allowed)", "masks with a score_mod"],
+)
+def test_the_extras_refuse_what_they_cannot_do_exactly(make, call, words):
+    if words is None:
+        make()
+        return
+    with pytest.raises(ValueError, match=words):
+        layer = make()
+        x = torch.zeros(1, 3, 8)
+        layer(x, x, x, **call)
