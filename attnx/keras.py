@@ -103,6 +103,11 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
                 "attnx.keras.MultiHeadAttention attends over one axis of sequence: inputs (B, T, features), "
                 f"got queries projected to {tuple(query.shape)}"
             )
+        if use_causal_mask:  # Keras' rule (j <= i), as its own path builds it
+            causal = self._compute_causal_mask(query, value)
+            attention_mask = (
+                causal if attention_mask is None else ops.logical_and(ops.cast(attention_mask, "bool"), causal)
+            )
         mask = None
         if attention_mask is not None:
             mask = ops.expand_dims(ops.cast(attention_mask, "bool"), axis=1)  # the heads' axis
@@ -113,7 +118,6 @@ class MultiHeadAttention(keras.layers.MultiHeadAttention):
         result = scaled_dot_product_attention(
             *(ops.transpose(a, (0, 2, 1, 3)) for a in (query, key, value)),
             mask=mask,
-            is_causal=bool(use_causal_mask),  # only Keras' own fused path asks: T = S there
             scale=float(self._inverse_sqrt_key_dim),
             return_weights=return_attention_scores,
             dropout_p=dropout_p,
