@@ -325,3 +325,25 @@ def test_the_extras_refuse_what_they_cannot_do_exactly(make, call, words):
         layer = make()
         x = torch.zeros(1, 3, 8)
         layer(x, x, x, **call)
+
+
+def test_the_extras_compile_whole_and_equal_eager():
+    """torch.compile(fullgraph=True) of the extras' path: rotary heads over
+    a padding mask, and flex attention with ALiBi over a causal block mask."""
+    from attnx import mods
+
+    torch.manual_seed(0)
+    layer = attnx.torch.MultiheadAttention(16, 4, num_kv_heads=2, batch_first=True, rotary=True)
+    x = torch.randn(2, 8, 16)
+    padding = torch.zeros(2, 8, dtype=torch.bool)
+    padding[1, 6:] = True
+    block_mask = attnx.create_block_mask(mods.causal, None, None, 8, 8, block_size=4, backend="torch")
+    score_mod = mods.alibi(mods.alibi_slopes(4, backend="torch"))
+
+    def both(x, padding):
+        masked, _ = layer(x, x, x, key_padding_mask=padding, need_weights=False)
+        flexed, _ = layer(x, x, x, score_mod=score_mod, block_mask=block_mask, need_weights=False)
+        return masked, flexed
+
+    for got, expected in zip(torch.compile(both, fullgraph=True)(x, padding), both(x, padding)):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
