@@ -14,9 +14,9 @@ from attnx import _checks, _cotangents, _dispatch, _dropout, _grouping, _tiling
 from attnx.attention import (
     _SDPA,
     ValidatedCall,
-    choose_chunks,
     computed,
     masked_softmax,
+    planned_chunks,
     sdpa_tile_plan,
     validated_call,
 )
@@ -121,6 +121,7 @@ def _native(operation: str, call: ValidatedCall, chunk_size: Any) -> tuple[Any, 
         key_lengths=key_lengths,
         is_causal=is_causal,
         scale=call.scale,
+        chunks=planned_chunks(call, chunk_size)[0],
         batch_shape=batch_shape,
         chunk_size=chunk_size,
     )
@@ -134,15 +135,10 @@ def _generic_backward(
     planned as its forward's tiles: a function of the cotangent."""
     chosen, xp = call.chosen, call.chosen.xp
     query, key, value, mask, key_lengths, is_causal, batch_shape, n = call.computed
-    m = key.shape[-2]
     # The forward's mask, made again tile by tile (the forward checked the arguments)
     dropout = _dropout.make(xp, float(call.dropout_p), dropout_seed, batch_shape, query)
-    block_bytes = chosen.block_bytes_on(_checks.device_of(query))
-    if _checks.traced(query):
-        block_bytes = max(block_bytes, _tiling.TRACED_BLOCK_BYTES)
-    chunks = choose_chunks(
-        xp, query.dtype, n, m, batch_shape, chunk_size, False, is_causal, chosen.concurrent_blocks, block_bytes
-    ) or (max(1, n), max(1, m))
+    chunks, block_bytes = planned_chunks(call, chunk_size)
+    chunks = chunks or (max(1, n), max(1, key.shape[-2]))
     tiles, tile_scores = sdpa_tile_plan(
         xp,
         query,

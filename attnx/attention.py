@@ -298,22 +298,20 @@ def validated_call(
     return ValidatedCall(chosen, reason, call, scale, batch_shape, n, return_weights, dropout_p, enable_gqa)
 
 
-def computed(call: ValidatedCall, *, chunk_size: Any, dropout_seed: Any, signature: Any = None) -> Any:
-    """The result of a validated call, in its computed layout: the
-    backend's native where it takes the call, else the generic algorithm
-    (in tiles where :func:`choose_chunks` says).  ``signature``: the call's
-    plan key (:mod:`attnx._plans`), for a backend's plan of it."""
-    chosen, xp = call.chosen, call.chosen.xp
-    query, key, value, mask, key_lengths, is_causal, batch_shape, n = call.computed
-    m = key.shape[-2]
+def planned_chunks(call: ValidatedCall, chunk_size: Any) -> tuple[tuple[int, int] | None, int]:
+    """``(chunks, block_bytes)`` of a validated call: its tiles, as
+    :func:`choose_chunks` plans them (None: no tiles), and the bytes of a
+    block on its device, the forward and its backward alike."""
+    chosen = call.chosen
+    query, key, _, _, _, is_causal, batch_shape, n = call.computed
     block_bytes = chosen.block_bytes_on(_checks.device_of(query))
     if _checks.traced(query):  # a traced program compiles each block and dispatches none
         block_bytes = max(block_bytes, _tiling.TRACED_BLOCK_BYTES)
     chunks = choose_chunks(
-        xp,
+        chosen.xp,
         query.dtype,
         n,
-        m,
+        key.shape[-2],
         batch_shape,
         chunk_size,
         call.return_weights,
@@ -321,6 +319,17 @@ def computed(call: ValidatedCall, *, chunk_size: Any, dropout_seed: Any, signatu
         chosen.concurrent_blocks,
         block_bytes,
     )
+    return chunks, block_bytes
+
+
+def computed(call: ValidatedCall, *, chunk_size: Any, dropout_seed: Any, signature: Any = None) -> Any:
+    """The result of a validated call, in its computed layout: the
+    backend's native where it takes the call, else the generic algorithm
+    (in tiles where :func:`choose_chunks` says).  ``signature``: the call's
+    plan key (:mod:`attnx._plans`), for a backend's plan of it."""
+    chosen, xp = call.chosen, call.chosen.xp
+    query, key, value, mask, key_lengths, is_causal, batch_shape, n = call.computed
+    chunks, block_bytes = planned_chunks(call, chunk_size)
     arguments = {
         "query": query,
         "key": key,

@@ -54,6 +54,7 @@ def scaled_dot_product_attention_vjp(
     key_lengths: Any,
     is_causal: bool,
     scale: Any,
+    chunks: Any,
     batch_shape: Any,
     chunk_size: Any,
 ) -> Any:
@@ -66,9 +67,6 @@ def scaled_dot_product_attention_vjp(
     call go to attnx's tiled backward."""
     if query.shape[-2] == 0 or key.shape[-2] == 0 or (mask is not None and mask.dtype != bool):
         return NotImplemented
-    chunks = None
-    if chunk_size is not None:
-        chunks = chunk_size if isinstance(chunk_size, tuple) else (chunk_size, chunk_size)
     blocks_of = _Blocks(query, key, value, mask, key_lengths, is_causal, scale, batch_shape, chunk_size, chunks)
     state = blocks_of.state()
     return _finish(state, query.dtype), lambda cotangent: blocks_of.gradients(state, cotangent)
@@ -223,6 +221,18 @@ def _attend(
     scale: float | None,
     scores_shape: tuple[int, int] | None,
 ) -> Any:
+    masks, offset, scale = _place(rest, mask_count, is_causal, scale)
+    state = blocks.attend_block(
+        query, key, value, scale=scale, mask=masks, is_causal=is_causal, offset=offset, scores_shape=scores_shape
+    )
+    return state[..., None, :]
+
+
+def _place(rest: tuple[Any, ...], mask_count: int, is_causal: bool, scale: float | None) -> tuple[Any, Any, Any]:
+    """``(masks, offset, scale)`` of a block from the arrays after its
+    query, key and value (:class:`_Blocks`' ``rest``): its masks, its first
+    query and key in the whole scores (read from its chunks of positions
+    where causal), and the scale (a 0-d array's, where ``scale`` is None)."""
     masks, rest = rest[:mask_count], rest[mask_count:]
     offset = (0, 0)
     if is_causal:
@@ -230,10 +240,7 @@ def _attend(
         offset = (int(rows[0]), int(cols[0])) if rows.shape[0] and cols.shape[0] else (0, 0)
     if scale is None:
         (scale,) = rest
-    state = blocks.attend_block(
-        query, key, value, scale=scale, mask=masks, is_causal=is_causal, offset=offset, scores_shape=scores_shape
-    )
-    return state[..., None, :]
+    return masks, offset, scale
 
 
 def _block_gradients(
@@ -250,13 +257,7 @@ def _block_gradients(
 ) -> tuple[Any, Any, Any, Any]:
     """:func:`attnx.blocks.attend_block_vjp` of one block, its place read
     as :func:`_attend` reads it."""
-    masks, rest = rest[:mask_count], rest[mask_count:]
-    offset = (0, 0)
-    if is_causal:
-        (rows, cols), rest = rest[:2], rest[2:]
-        offset = (int(rows[0]), int(cols[0])) if rows.shape[0] and cols.shape[0] else (0, 0)
-    if scale is None:
-        (scale,) = rest
+    masks, offset, scale = _place(rest, mask_count, is_causal, scale)
     return blocks.attend_block_vjp(
         query,
         key,

@@ -263,7 +263,7 @@ def attend(
     # Each row's shift, where with_stats: 0 for rows attended unshifted.
     shifts = np.zeros((slices, n, 1), dtype=dtype) if with_stats else None
 
-    def attend(task: tuple[tuple[int, int, int, int], bool]) -> None:
+    def attend_task(task: tuple[tuple[int, int, int, int], bool]) -> None:
         span, shifted = task
         if not shifted:
             # Overflow and its NaN are expected there, and caught by the
@@ -302,9 +302,9 @@ def attend(
 
     def run(tasks: list[tuple[int, int, int, int]], shifted: bool) -> None:
         if len(tasks) == 1:
-            attend((tasks[0], shifted))
+            attend_task((tasks[0], shifted))
         else:
-            backend.map_blocks(attend, [(task, shifted) for task in tasks])
+            backend.map_blocks(attend_task, [(task, shifted) for task in tasks])
 
     run(tasks, False)
     if not _exact_unshifted(totals, output, m):

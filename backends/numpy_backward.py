@@ -33,11 +33,8 @@ import numpy as np
 
 from attnx import get_memory_budget, natives
 
-from .numpy_attention import KEY_CHUNK, MIN_ROWS, _mask_future, _scratch, _slices_taken, attend
+from .numpy_attention import _as_slices, _mask_future, _scratch, _slices_taken, attend, plan
 from .numpy_masks import CallMasks
-
-#: Query rows per tile at most (the forward's MAX_ROWS).
-MAX_ROWS = 256
 
 
 def scaled_dot_product_attention_vjp(
@@ -49,23 +46,23 @@ def scaled_dot_product_attention_vjp(
     key_lengths: Any,
     is_causal: bool,
     scale: Any,
+    chunks: tuple[int, int] | None,
     batch_shape: tuple[int, ...],
     chunk_size: Any,
     backend: Any,
 ) -> Any:
     """attnx's native entry point for ``vjp(scaled_dot_product_attention)``
     (see :meth:`attnx.Backend.implementations`): ``(output, backward)``, or
-    ``NotImplemented`` for a call it leaves to the generic backward."""
+    ``NotImplemented`` for a call it leaves to the generic backward.  A
+    ``chunk_size`` the user gave sets the rows and keys of each tile
+    (``chunks``), forward and backward; else they are planned here."""
     slices = _slices_taken(query, key, is_causal, False, batch_shape)
     if slices is None or (mask is not None and mask.dtype != np.bool_):
         return NotImplemented
     n, m, d_k, d_v = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
     dtype = query.dtype
     scale = scale if type(scale) is float else dtype.type(scale)
-    chunks = None
-    if chunk_size is not None:
-        chunks = chunk_size if isinstance(chunk_size, tuple) else (chunk_size, KEY_CHUNK)
-        chunks = (min(chunks[0], n), min(chunks[1], m))
+    chunks = chunks if chunk_size is not None else None
     output, lse = attend(
         query, key, value, mask, key_lengths, is_causal, scale, chunks, batch_shape, chunk_size, backend, True
     )
@@ -92,13 +89,6 @@ def scaled_dot_product_attention_vjp(
     return output.reshape(*batch_shape, n, d_v), backward
 
 
-def _as_slices(array: Any, batch_shape: tuple[int, ...], slices: int) -> Any:
-    """``array`` as ``(slices, rows, d)``, broadcast over the batch where it is."""
-    if array.shape[:-2] != batch_shape:
-        array = np.broadcast_to(array, (*batch_shape, *array.shape[-2:]))
-    return array.reshape(slices, *array.shape[-2:])
-
-
 def _backward(
     q: Any,
     k: Any,
@@ -119,13 +109,11 @@ def _backward(
     key_slices, m, d_v = v.shape
     dtype = q.dtype
     threads = backend.concurrent_blocks
-    # Two buffers of a tile each (the weights and their gradient), within a thread's share of the budget.
-    per_thread = max(1, get_memory_budget(backend, "cpu") // threads // 2)
-    rows, key_chunk = (min(n, MAX_ROWS), min(m, KEY_CHUNK)) if chunks is None else chunks
-    while rows * key_chunk * dtype.itemsize > per_thread and key_chunk > 512 and chunks is None:
-        key_chunk = -(-key_chunk // 2)
-    while rows * key_chunk * dtype.itemsize > per_thread and rows > MIN_ROWS and chunks is None:
-        rows = -(-rows // 2)
+    # Two buffers of a tile each (the weights and their gradient): the
+    # forward's tiles (numpy_attention.plan) in half its budget.
+    budget = get_memory_budget(backend, "cpu") // 2
+    per_thread = max(1, budget // threads)
+    _, rows, key_chunk = plan(slices, n, m, dtype.itemsize, False, threads, budget) if chunks is None else (1, *chunks)
     # Query slices a tile, within one group (its keys one slice) and the budget.
     per_tile = max(1, min(groups if groups > 1 else slices, per_thread // (rows * key_chunk * dtype.itemsize)))
     while groups % per_tile and groups > 1:
@@ -133,9 +121,12 @@ def _backward(
     starts = list(range(0, n, rows))
     # Tasks own whole key slices; too few of them for the threads: their rows are shared out as well.
     shares = max(1, min(len(starts), -(-threads // key_slices))) if threads > 1 else 1
-    per_task = max(1, key_slices // (2 * threads)) if shares == 1 and threads > 1 else key_slices
     if shares > 1:
         per_task = 1
+    elif threads > 1:  # two tasks a thread or more, so that threads finishing early find more
+        per_task = max(1, key_slices // (2 * threads))
+    else:
+        per_task = key_slices
     tasks = [
         (k0, min(key_slices, k0 + per_task), share) for k0 in range(0, key_slices, per_task) for share in range(shares)
     ]
