@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnx import _checks, _cotangents, _tiling
-from attnx.flex import _FLEX, empty_shape, flex_tiles, index_arrays, mod_backward, validated_call
+from attnx.flex import _FLEX, empty_shape, flex_tiles, mod_backward, tile_score_vjp, validated_call
 
 __all__ = ["flex_attention_vjp"]
 
@@ -89,7 +89,7 @@ def flex_attention_vjp(
 
     def tiled(cotangent: Any) -> tuple[Any, ...]:
         table_parts: list[dict[str, Any]] = []  # each tile's, summed after (threads append alike)
-        score_vjp = None if mod is None else _score_vjp(xp, chosen, mod[0], plan, table_parts)
+        score_vjp = None if mod is None else tile_score_vjp(xp, mod[0], plan, table_parts)
         gradients = _tiling.backward_tiles(
             xp,
             plan.query,
@@ -108,26 +108,6 @@ def flex_attention_vjp(
         return (*gradients, summed)
 
     return output, _backward(operation, xp, query, key, value, given_scale, tables, output, tiled)
-
-
-def _score_vjp(xp: Any, chosen: Any, backward: Any, plan: Any, table_parts: list[dict[str, Any]]) -> Any:
-    """The backward of the score_mod on a grouped tile ``(B, H_kv, G, rows,
-    cols)``, called as the forward calls the mod: on the tile as ``(B, H,
-    rows, cols)``, with the same index arrays.  Its tables' gradients go to
-    ``table_parts``."""
-    batch, heads = plan.shape[:2]
-    device = _checks.device_of(plan.query)
-
-    def score_vjp(d_scores: Any, raw: Any, span: Any, rows: Any, cols: Any) -> Any:
-        grouped_shape = tuple(d_scores.shape)
-        flat_shape = (grouped_shape[0], heads, *grouped_shape[3:])
-        raw = xp.broadcast_to(raw, grouped_shape) if tuple(raw.shape) != grouped_shape else raw
-        indices = index_arrays(xp, span or (0, batch), heads, rows, cols, device)
-        d_raw, tables = backward(xp.reshape(d_scores, flat_shape), xp.reshape(raw, flat_shape), *indices)
-        table_parts.append(tables)
-        return xp.reshape(d_raw, grouped_shape)
-
-    return score_vjp
 
 
 def _backward(

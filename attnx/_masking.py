@@ -28,7 +28,7 @@ from attnx._checks import (
     shape_of,
     values_known,
 )
-from attnx._tracing import run_at_trace_time
+from attnx._tracing import compiling
 
 Align = Literal["bottom_right", "top_left"]
 
@@ -408,23 +408,20 @@ def can_mutate(array: Any) -> bool:
 
     An array that says so itself (NumPy's ``flags.writeable``: broadcast
     views are read-only) is asked each time; for the others the answer is
-    their library's, asked once per array type and kept in a plain dict:
-    torch.compile warns about array-api-compat's ``lru_cache`` when it traces
-    through it."""
+    their library's, asked once per array type and kept in a plain dict.
+    Under ``torch.compile`` the answer is no: the compiled graph is
+    functional, so out of place costs nothing there, and asking would have
+    Dynamo read the array's value (which fails where it depends on a
+    tensor that a ``torch.autograd.Function``'s forward closes over) or
+    trace the ``lru_cache`` inside array-api-compat's answer."""
     if getattr(array, "requires_grad", False):
         return False
     own = getattr(getattr(array, "flags", None), "writeable", None)
     if own is not None:
         return own
-    return _writeable_type(type(array), array)
-
-
-@run_at_trace_time
-def _writeable_type(kind: type, array: Any) -> bool:
-    """Whether arrays of type ``kind`` (``array`` one of them) take in-place
-    updates: called, not traced, by torch.compile, which warned of the
-    ``lru_cache`` inside array-api-compat's answer when it traced a first
-    call of a type that had not run eagerly."""
+    if compiling():
+        return False
+    kind = type(array)
     writeable = _WRITEABLE.get(kind)
     if writeable is None:
         writeable = _WRITEABLE[kind] = is_writeable_array(array)

@@ -285,6 +285,8 @@ def attend_differentiable(
     masks: dict[str, Any],
     real_mask: str | None = None,
     dropout: Dropout | None = None,
+    tables: dict[str, Any] | None = None,
+    table_vjp: Callable[[list[dict[str, Any]]], Callable[..., Any]] | None = None,
     **walk: Any,
 ) -> Any:
     """:func:`attend_tiles`, differentiated by :func:`backward_tiles` where
@@ -298,16 +300,28 @@ def attend_differentiable(
     (``jax.jit``) sees them as its inputs.  ``real_mask`` names the one
     that is added to the scores, whose gradient is then the scores'; the
     others get none.  ``scale`` gets its gradient where it is an array.
+    ``tables`` are the arrays a score_mod in ``walk``'s ``tile_scores``
+    closes over, by name (ALiBi's slopes): ``table_vjp(parts)`` is the
+    tiles' ``score_vjp`` (:func:`backward_tiles`), which appends each
+    tile's gradients of the tables to ``parts``; they are summed.
     ``walk`` holds :func:`attend_tiles`' other keywords.
     """
     names = [name for name, array in masks.items() if array is not None]
+    tables = tables or {}
     scale_is_array = not isinstance(scale, int | float)
-    arrays = (query, key, value, *((scale,) if scale_is_array else ()), *(masks[name] for name in names))
+    arrays = (
+        query,
+        key,
+        value,
+        *((scale,) if scale_is_array else ()),
+        *(masks[name] for name in names),
+        *tables.values(),
+    )
 
     def unpacked(arrays: tuple[Any, ...]) -> tuple[Any, ...]:
         q, k, v, *rest = arrays
         s = rest.pop(0) if scale_is_array else scale
-        given = dict(zip(names, rest, strict=True))
+        given = dict(zip(names, rest[: len(names)], strict=True))
         tiles, tile_scores = plan(**{name: given.get(name) for name in masks})
         return q, k, v, s, given, {"tiles": tiles, "tile_scores": tile_scores, "dropout": dropout, **walk}
 
@@ -319,6 +333,9 @@ def attend_differentiable(
     def backward(arrays: tuple[Any, ...], output: Any, residuals: tuple[Any, ...], cotangent: Any) -> tuple[Any, ...]:
         q, k, v, s, given, options = unpacked(arrays)
         mask = given.get(real_mask) if real_mask is not None else None
+        table_parts: list[dict[str, Any]] = []  # each tile's (threads append alike)
+        if table_vjp is not None:
+            options["score_vjp"] = table_vjp(table_parts)
         d_query, d_key, d_value, d_scale, *d_mask = backward_tiles(
             xp,
             q,
@@ -335,6 +352,9 @@ def attend_differentiable(
         if scale_is_array:
             grads.append(_cotangents.like(xp, d_scale, s))
         grads += [_cotangents.like(xp, d_mask[0], mask) if name == real_mask else None for name in names]
+        for name, table in tables.items():
+            parts = [part[name] for part in table_parts]
+            grads.append(_cotangents.like(xp, sum(parts[1:], parts[0]), table) if parts else xp.zeros_like(table))
         return tuple(grads)
 
     return custom_vjp(forward, backward, arrays)

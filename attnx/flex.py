@@ -1024,10 +1024,12 @@ def _flex_generic(
         return output, weights
     if return_weights:
         return _flex_weights(xp, plan, scale)
-    if score_mod is None:
-        # Differentiated tile by tile (the autograd libraries keep no tile).
-        # A score_mod's tiles stay on the library's tape, whose gradients
-        # reach what the mod closes over (ALiBi's slopes, a bias table).
+    mod = None if score_mod is None else mod_backward(score_mod)
+    if score_mod is None or mod is not None:
+        # Differentiated tile by tile (the autograd libraries keep no tile),
+        # attnx.mods' score_mods by their own backward, their tables (ALiBi's
+        # slopes) as the inputs whose gradients it gives.
+        tables = {} if mod is None else mod[1]
         output = _tiling.attend_differentiable(
             backend.custom_vjp,
             xp,
@@ -1037,9 +1039,14 @@ def _flex_generic(
             scale=scale,
             plan=lambda: (plan.tiles, plan.tile_scores),
             masks={},
+            tables=tables,
+            table_vjp=None if mod is None else lambda parts: tile_score_vjp(xp, mod[0], plan, parts),
+            scores_may_mask=score_mod is not None,
             **plan.walk,
         )
     else:
+        # A score_mod of the user's own stays on the library's tape, tile by
+        # tile, whose gradients reach what it closes over.
         output = _tiling.attend_tiles(
             xp,
             plan.query,
@@ -1052,6 +1059,26 @@ def _flex_generic(
             **plan.walk,
         )
     return xp.reshape(output, plan.shape)
+
+
+def tile_score_vjp(xp: Any, backward: ModBackward, plan: FlexTiles, table_parts: list[dict[str, Any]]) -> Any:
+    """The backward of the score_mod on a grouped tile ``(B, H_kv, G, rows,
+    cols)``, called as the forward calls the mod: on the tile as ``(B, H,
+    rows, cols)``, with the same index arrays.  Its tables' gradients go to
+    ``table_parts``."""
+    batch, heads = plan.shape[:2]
+    device = _checks.device_of(plan.query)
+
+    def score_vjp(d_scores: Any, raw: Any, span: Any, rows: Any, cols: Any) -> Any:
+        grouped_shape = tuple(d_scores.shape)
+        flat_shape = (grouped_shape[0], heads, *grouped_shape[3:])
+        raw = xp.broadcast_to(raw, grouped_shape) if tuple(raw.shape) != grouped_shape else raw
+        indices = index_arrays(xp, span or (0, batch), heads, rows, cols, device)
+        d_raw, tables = backward(xp.reshape(d_scores, flat_shape), xp.reshape(raw, flat_shape), *indices)
+        table_parts.append(tables)
+        return xp.reshape(d_raw, grouped_shape)
+
+    return score_vjp
 
 
 def empty_shape(query: Any, key: Any, value: Any) -> tuple[int, int, int, int]:

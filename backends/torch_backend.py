@@ -108,7 +108,9 @@ class TorchBackend(Backend):
 
         if not torch.is_grad_enabled() or not any(array.requires_grad for array in arrays):
             return forward(*arrays)[0]  # nothing to differentiate: no tape to keep
-        return _function().apply(forward, backward, *arrays)[0]
+        from attnx_backends.torch_function import CustomVJP
+
+        return CustomVJP.apply(forward, backward, *arrays)[0]
 
     def implementations(self) -> Mapping[str, Callable[..., Any]]:
         if self._natives is None:
@@ -343,42 +345,6 @@ def _load() -> Any:
 
     _fused_attention = scaled_dot_product_attention
     return _fused_attention
-
-
-_custom_function: list[Any] = []
-
-
-def _function() -> Any:
-    """The ``torch.autograd.Function`` of :meth:`TorchBackend.custom_vjp`,
-    made on first use (so that ``import attnx`` does not import torch).
-    Written with ``setup_context``, so that ``torch.func``'s transforms
-    (``grad``, ``vmap``: ``generate_vmap_rule``) take it too."""
-    if _custom_function:
-        return _custom_function[0]
-    import torch
-
-    class CustomVJP(torch.autograd.Function):
-        generate_vmap_rule = True
-
-        @staticmethod
-        def forward(forward: Any, backward: Any, *arrays: Any) -> Any:
-            output, residuals = forward(*arrays)
-            return (output, *residuals)
-
-        @staticmethod
-        def setup_context(ctx: Any, inputs: Any, outputs: Any) -> None:
-            ctx.backward_rule, ctx.count = inputs[1], len(inputs) - 2
-            ctx.mark_non_differentiable(*outputs[1:])
-            ctx.save_for_backward(*inputs[2:], *outputs)
-
-        @staticmethod
-        def backward(ctx: Any, cotangent: Any, *unused: Any) -> Any:
-            saved = ctx.saved_tensors
-            arrays, output, residuals = saved[: ctx.count], saved[ctx.count], saved[ctx.count + 1 :]
-            return (None, None, *ctx.backward_rule(arrays, output, residuals, cotangent))
-
-    _custom_function.append(CustomVJP)
-    return CustomVJP
 
 
 def _is_batched(array: Any) -> bool:

@@ -6,6 +6,9 @@ statistics per row, never a tile; under ``torch.compile`` and
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 import attnx
@@ -41,16 +44,68 @@ def _saved_shapes(function, *arrays):
 def test_the_tape_keeps_no_tile():
     """Every saved tensor is an input, the output or the rows' statistics:
     none has a key axis, which a tile of scores (rows x keys) would; with a
-    ``score_mod`` (its tiles stay on the tape, for what it closes over) the
-    same count sees the tiles, so the test can tell."""
+    ``score_mod`` of the user's own (its tiles stay on the tape, for what it
+    closes over) the same count sees the tiles, so the test can tell."""
     leaves = [a.requires_grad_() for a in _inputs()]
     block_mask = _causal()
     saved = _saved_shapes(lambda q, k, v: attnx.flex_attention(q, k, v, None, block_mask), *leaves)
     assert saved, "nothing saved: the backward would have nothing to work from"
     assert all(shape[-1] in (D, 2) for shape in saved), saved
     assert sum(shape[-1] == D for shape in saved) == 4  # query, key, value, output
-    with_mod = _saved_shapes(lambda q, k, v: attnx.flex_attention(q, k, v, mods.soft_cap(20.0), block_mask), *leaves)
-    assert any(shape[-1] not in (D, 2) for shape in with_mod)
+    own = _saved_shapes(lambda q, k, v: attnx.flex_attention(q, k, v, lambda s, *_: s / 2, block_mask), *leaves)
+    assert any(shape[-1] not in (D, 2) for shape in own)
+
+
+def _own_alibi(slopes):
+    """ALiBi as PyTorch's documentation writes it: a score_mod of the user's own."""
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return alibi
+
+
+def test_attnx_mods_keep_no_tile_a_users_own_does():
+    """attnx.mods' score_mods are differentiated by their own backward: the
+    tape holds the inputs, the output, the rows' statistics and the mod's
+    tables (ALiBi's slopes, a bias table), never a tile (rows x keys, both 64
+    or more here; the mods' probe leaves 2 x 2 ones); a score_mod of the user's own keeps
+    its tiles on the tape, so the count can tell."""
+    leaves = [a.requires_grad_() for a in _inputs()]
+    block_mask = _causal()
+    slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+    table = torch.linspace(-1, 1, 2 * 9).reshape(2, 9).requires_grad_()
+    for mod in (mods.soft_cap(20.0), mods.alibi(slopes), mods.relative_bias(table)):
+        saved = _saved_shapes(lambda q, k, v, mod=mod: attnx.flex_attention(q, k, v, mod, block_mask), *leaves)
+        assert not [shape for shape in saved if len(shape) >= 2 and min(shape[-2:]) >= 64], saved
+    own = _saved_shapes(lambda q, k, v: attnx.flex_attention(q, k, v, _own_alibi(slopes), block_mask), *leaves)
+    assert [shape for shape in own if len(shape) >= 2 and min(shape[-2:]) >= 64], own
+
+
+def test_a_mods_tables_get_the_gradients_of_the_tape():
+    """ALiBi's slopes and the inputs, differentiated by attnx's tiled
+    backward, equal autograd's tape through the same mod written as a
+    user's own; in float64, and compiled, and under torch.func.grad."""
+    leaves = [a.requires_grad_() for a in _inputs(torch.float64)]
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64, requires_grad=True)
+    block_mask = _causal()
+
+    def attention(make):
+        return lambda q, k, v, s: attnx.flex_attention(q, k, v, make(s), block_mask)
+
+    expected = _gradients(attention(_own_alibi), [*leaves, slopes])
+    got = _gradients(attention(mods.alibi), [*leaves, slopes])
+    compiled = _gradients(torch.compile(attention(mods.alibi), fullgraph=True, dynamic=False), [*leaves, slopes])
+
+    def loss(s):
+        return (attention(mods.alibi)(*leaves, s) ** 2).sum()
+
+    transformed = torch.func.grad(loss)(slopes.detach())
+    for name, result in (("eager", got), ("compiled", compiled), ("func.grad", (*expected[:3], transformed))):
+        for grad, reference in zip(result, expected, strict=True):
+            torch.testing.assert_close(
+                grad, reference, rtol=1e-10, atol=1e-10, msg=lambda text, name=name: f"{name}: {text}"
+            )
 
 
 def _gradients(function, leaves):
@@ -106,3 +161,24 @@ def test_no_tape_without_gradients():
         assert attnx.flex_attention(*leaves, None, block_mask).grad_fn is None
     ((node, _),) = attnx.flex_attention(*leaves, None, block_mask).grad_fn.next_functions  # past the reshape
     assert type(node).__name__ == "CustomVJPBackward"
+
+
+_COMPILED_FIRST = """
+import torch, attnx
+from attnx import mods
+q, k, v = (torch.randn(1, 2, 128, 16, requires_grad=True) for _ in range(3))
+slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+causal = attnx.create_block_mask(mods.causal, None, None, 128, 128, block_size=64, backend="torch")
+attention = torch.compile(lambda q, k, v, s: attnx.flex_attention(q, k, v, mods.alibi(s), causal), fullgraph=True)
+attention(q, k, v, slopes).sum().backward()
+assert all(t.grad is not None for t in (q, k, v, slopes))
+"""
+
+
+def test_a_first_call_compiled():
+    """The autograd.Function's first use under torch.compile, in a process
+    that has run nothing eagerly: Dynamo once refused to trace the class
+    made on first use, and to read the scores that a mod's closed-over
+    table made (whether they could be updated in place)."""
+    result = subprocess.run([sys.executable, "-c", _COMPILED_FIRST], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
