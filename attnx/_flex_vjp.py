@@ -69,7 +69,7 @@ def flex_attention_vjp(
         backend=chosen,
         dropout=dropout,
     )
-    tables = {} if mod is None else mod[1]
+    tables = {} if mod is None else mod.tables
     if plan is None:  # an axis of size 0: zeros, and zero gradients
         output = xp.zeros(empty_shape(query, key, value), dtype=query.dtype, device=_checks.device_of(query))
         return output, _backward(operation, xp, query, key, value, given_scale, tables, output, None)
@@ -89,7 +89,7 @@ def flex_attention_vjp(
 
     def tiled(cotangent: Any) -> tuple[Any, ...]:
         table_parts: list[dict[str, Any]] = []  # each tile's, summed after (threads append alike)
-        score_vjp = None if mod is None else tile_score_vjp(xp, mod[0], plan, table_parts)
+        score_vjp = None if mod is None else tile_score_vjp(xp, mod.backward, plan, table_parts)
         gradients = _tiling.backward_tiles(
             xp,
             plan.query,

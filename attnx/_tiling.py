@@ -286,7 +286,7 @@ def attend_differentiable(
     real_mask: str | None = None,
     dropout: Dropout | None = None,
     tables: dict[str, Any] | None = None,
-    table_vjp: Callable[[list[dict[str, Any]]], Callable[..., Any]] | None = None,
+    table_vjp: Callable[[dict[str, Any], list[dict[str, Any]]], Callable[..., Any]] | None = None,
     **walk: Any,
 ) -> Any:
     """:func:`attend_tiles`, differentiated by :func:`backward_tiles` where
@@ -300,10 +300,13 @@ def attend_differentiable(
     (``jax.jit``) sees them as its inputs.  ``real_mask`` names the one
     that is added to the scores, whose gradient is then the scores'; the
     others get none.  ``scale`` gets its gradient where it is an array.
-    ``tables`` are the arrays a score_mod in ``walk``'s ``tile_scores``
-    closes over, by name (ALiBi's slopes): ``table_vjp(parts)`` is the
-    tiles' ``score_vjp`` (:func:`backward_tiles`), which appends each
-    tile's gradients of the tables to ``parts``; they are summed.
+    ``tables`` are the arrays a score_mod closes over, by name (ALiBi's
+    slopes): ``plan(**masks, **tables)`` gets them as the library hands
+    them over (under ``torch.func.vmap`` a ``Function`` must compute on
+    its inputs, never on what it closes over), and ``table_vjp(tables,
+    parts)`` is the tiles' ``score_vjp`` (:func:`backward_tiles`), which
+    appends each tile's gradients of the tables to ``parts``; they are
+    summed.
     ``walk`` holds :func:`attend_tiles`' other keywords.
     """
     names = [name for name, array in masks.items() if array is not None]
@@ -322,20 +325,22 @@ def attend_differentiable(
         q, k, v, *rest = arrays
         s = rest.pop(0) if scale_is_array else scale
         given = dict(zip(names, rest[: len(names)], strict=True))
-        tiles, tile_scores = plan(**{name: given.get(name) for name in masks})
-        return q, k, v, s, given, {"tiles": tiles, "tile_scores": tile_scores, "dropout": dropout, **walk}
+        given_tables = dict(zip(tables, rest[len(names) :], strict=True))
+        tiles, tile_scores = plan(**{name: given.get(name) for name in masks}, **given_tables)
+        options = {"tiles": tiles, "tile_scores": tile_scores, "dropout": dropout, **walk}
+        return q, k, v, s, given, given_tables, options
 
     def forward(*arrays: Any) -> tuple[Any, tuple[Any, ...]]:
-        q, k, v, s, _, options = unpacked(arrays)
+        q, k, v, s, _, _, options = unpacked(arrays)
         output, stats = attend_tiles(xp, q, k, v, scale=s, with_stats=True, **options)
         return output, (stats,)
 
     def backward(arrays: tuple[Any, ...], output: Any, residuals: tuple[Any, ...], cotangent: Any) -> tuple[Any, ...]:
-        q, k, v, s, given, options = unpacked(arrays)
+        q, k, v, s, given, given_tables, options = unpacked(arrays)
         mask = given.get(real_mask) if real_mask is not None else None
         table_parts: list[dict[str, Any]] = []  # each tile's (threads append alike)
         if table_vjp is not None:
-            options["score_vjp"] = table_vjp(table_parts)
+            options["score_vjp"] = table_vjp(given_tables, table_parts)
         d_query, d_key, d_value, d_scale, *d_mask = backward_tiles(
             xp,
             q,
@@ -352,7 +357,7 @@ def attend_differentiable(
         if scale_is_array:
             grads.append(_cotangents.like(xp, d_scale, s))
         grads += [_cotangents.like(xp, d_mask[0], mask) if name == real_mask else None for name in names]
-        for name, table in tables.items():
+        for name, table in given_tables.items():
             parts = [part[name] for part in table_parts]
             grads.append(_cotangents.like(xp, sum(parts[1:], parts[0]), table) if parts else xp.zeros_like(table))
         return tuple(grads)

@@ -275,23 +275,44 @@ def for_sizes(mod: Any, *sizes: TableSize) -> Any:
 
 
 #: A score_mod's backward, ``backward(d_score, score, b, h, q_idx, kv_idx) ->
-#: (d_score_in, {table name: its gradient})``, and its tables by name, for
-#: :func:`attnx.vjp` on backends without autograd (:func:`with_backward`).
+#: (d_score_in, {table name: its gradient})``, for :func:`attnx.vjp` on
+#: backends without autograd, and for autograd's tile by tile
+#: (:func:`with_backward`).
 ModBackward = Callable[..., tuple[Any, dict[str, Any]]]
 _BACKWARD_ATTRIBUTE = "_attnx_backward"
 
 
-def with_backward(mod: Any, backward: ModBackward, **tables: Any) -> Any:
-    """``mod``, with its backward and the tables it closes over (by the
-    names :func:`attnx.vjp` gives their gradients)."""
-    setattr(mod, _BACKWARD_ATTRIBUTE, (backward, tables))
+class ModRule(NamedTuple):
+    """How attnx differentiates a mod of :mod:`attnx.mods`: its
+    ``backward``, the ``tables`` it closes over by the names
+    :func:`attnx.vjp` gives their gradients, and ``remake(**tables)``, the
+    same mod closing over other tables (those an autograd library hands its
+    ``Function``, its tracer or its batched tensors: a ``Function`` must not
+    compute on what it closes over)."""
+
+    backward: ModBackward
+    tables: dict[str, Any]
+    remake: Callable[..., Any] | None
+
+
+def with_backward(mod: Any, backward: ModBackward, remake: Callable[..., Any] | None = None, **tables: Any) -> Any:
+    """``mod``, with its :class:`ModRule` (``remake`` is needed where it
+    has ``tables``)."""
+    setattr(mod, _BACKWARD_ATTRIBUTE, ModRule(backward, tables, remake))
     return mod
 
 
-def mod_backward(mod: Any) -> tuple[ModBackward, dict[str, Any]] | None:
-    """A mod's backward and tables (:func:`with_backward`); None for a mod
-    of the user's own."""
+def mod_backward(mod: Any) -> ModRule | None:
+    """A mod's :class:`ModRule` (:func:`with_backward`); None for a mod of
+    the user's own."""
     return getattr(mod, _BACKWARD_ATTRIBUTE, None)
+
+
+def remade(mod: Any, tables: dict[str, Any]) -> Any:
+    """``mod`` closing over ``tables`` instead of its own (itself where it
+    has none)."""
+    rule = mod_backward(mod)
+    return mod if not tables or rule is None or rule.remake is None else rule.remake(**tables)
 
 
 def declared_sizes(mod: Any) -> tuple[TableSize, ...]:
@@ -891,6 +912,9 @@ class FlexTiles(NamedTuple):
     tile_scores: _tiling.TileScores
     walk: dict[str, Any]
     shape: tuple[int, int, int, int]
+    #: ``scores_for(score_mod)``: the tiles' scores with another score_mod
+    #: (:func:`remade`), as ``tile_scores`` with the call's.
+    scores_for: Callable[[ScoreMod | None], _tiling.TileScores]
 
 
 def flex_tiles(
@@ -924,19 +948,22 @@ def flex_tiles(
     batch_shape = (batch, kv_heads, group)
     dropout = None if dropout is None else dropout.regrouped(batch_shape)
 
-    def tile_scores(scores: Any, span: Any, rows: Any, cols: Any, masked: bool) -> tuple[Any, Any, Any]:
-        entries = span or (0, batch)
-        if score_mod is not None:
-            # The tile as the mod sees it, (B, H, rows, cols): the grouped
-            # heads (H_kv, G) are one axis of H in memory.
-            grouped_shape = tuple(scores.shape)
-            flat = xp.reshape(scores, (grouped_shape[0], heads, *grouped_shape[3:]))
-            scores = xp.reshape(call_score_mod(_FLEX, backend, score_mod, flat, entries, rows, cols), grouped_shape)
-        allowed = None
-        if masked and block_mask is not None:
-            allowed = call_mask_mod(_FLEX, backend, block_mask.mask_mod, entries, heads, rows, cols, device)
-            allowed = _grouped(xp, allowed, kv_heads, group)
-        return scores, allowed, None
+    def scores_for(mod: ScoreMod | None) -> _tiling.TileScores:
+        def tile_scores(scores: Any, span: Any, rows: Any, cols: Any, masked: bool) -> tuple[Any, Any, Any]:
+            entries = span or (0, batch)
+            if mod is not None:
+                # The tile as the mod sees it, (B, H, rows, cols): the grouped
+                # heads (H_kv, G) are one axis of H in memory.
+                grouped_shape = tuple(scores.shape)
+                flat = xp.reshape(scores, (grouped_shape[0], heads, *grouped_shape[3:]))
+                scores = xp.reshape(call_score_mod(_FLEX, backend, mod, flat, entries, rows, cols), grouped_shape)
+            allowed = None
+            if masked and block_mask is not None:
+                allowed = call_mask_mod(_FLEX, backend, block_mask.mask_mod, entries, heads, rows, cols, device)
+                allowed = _grouped(xp, allowed, kv_heads, group)
+            return scores, allowed, None
+
+        return tile_scores
 
     if block_mask is None or block_mask._plan is None:
         chunks = choose_chunks(xp, dtype, n, m, batch_shape, None, False, False, backend.concurrent_blocks, block_bytes)
@@ -985,7 +1012,7 @@ def flex_tiles(
         "block_bytes": block_bytes,
         "dropout": dropout,
     }
-    return FlexTiles(*grouped, tiles, tile_scores, walk, (batch, heads, n, d_v))
+    return FlexTiles(*grouped, tiles, scores_for(score_mod), walk, (batch, heads, n, d_v), scores_for)
 
 
 def _flex_generic(
@@ -1024,12 +1051,12 @@ def _flex_generic(
         return output, weights
     if return_weights:
         return _flex_weights(xp, plan, scale)
-    mod = None if score_mod is None else mod_backward(score_mod)
-    if score_mod is None or mod is not None:
+    rule = None if score_mod is None else mod_backward(score_mod)
+    if score_mod is None or rule is not None:
         # Differentiated tile by tile (the autograd libraries keep no tile),
         # attnx.mods' score_mods by their own backward, their tables (ALiBi's
-        # slopes) as the inputs whose gradients it gives.
-        tables = {} if mod is None else mod[1]
+        # slopes) inputs whose gradients it gives.  The Function computes
+        # with the tables it is handed, the mod made again around them.
         output = _tiling.attend_differentiable(
             backend.custom_vjp,
             xp,
@@ -1037,10 +1064,14 @@ def _flex_generic(
             plan.key,
             plan.value,
             scale=scale,
-            plan=lambda: (plan.tiles, plan.tile_scores),
+            plan=lambda **tables: (plan.tiles, plan.scores_for(remade(score_mod, tables))),
             masks={},
-            tables=tables,
-            table_vjp=None if mod is None else lambda parts: tile_score_vjp(xp, mod[0], plan, parts),
+            tables={} if rule is None else rule.tables,
+            table_vjp=None
+            if rule is None
+            else lambda tables, parts: tile_score_vjp(
+                xp, mod_backward(remade(score_mod, tables)).backward, plan, parts
+            ),
             scores_may_mask=score_mod is not None,
             **plan.walk,
         )

@@ -294,7 +294,7 @@ def alibi(slopes: Array) -> Any:
         distance = xp.astype(kv_idx - q_idx, d_score.dtype)
         return d_score, {"slopes": xp.sum(d_score * distance, axis=(0, 2, 3))}  # a tile (B, H, rows, cols)
 
-    with_backward(alibi_bias, backward, slopes=slopes)
+    with_backward(alibi_bias, backward, alibi, slopes=slopes)
     return for_sizes(alibi_bias, ("alibi", "slopes", "H", slopes.shape[0]))
 
 
@@ -453,7 +453,7 @@ def relative_bias(table: Array) -> Any:
         per_head = xp.sum(diagonals @ one_hot, axis=0)  # (H, 2R + 1)
         return d_score, {"table": xp.sum(per_head, axis=0) if table.ndim == 1 else per_head}
 
-    with_backward(bias, backward, table=table)
+    with_backward(bias, backward, relative_bias, table=table)
     return bias if table.ndim == 1 else for_sizes(bias, ("relative_bias", "table", "H", table.shape[0]))
 
 

@@ -85,7 +85,8 @@ def test_attnx_mods_keep_no_tile_a_users_own_does():
 def test_a_mods_tables_get_the_gradients_of_the_tape():
     """ALiBi's slopes and the inputs, differentiated by attnx's tiled
     backward, equal autograd's tape through the same mod written as a
-    user's own; in float64, and compiled, and under torch.func.grad."""
+    user's own; in float64, and compiled, and under torch.func.grad and
+    vmap."""
     leaves = [a.requires_grad_() for a in _inputs(torch.float64)]
     slopes = torch.tensor([0.5, 0.25], dtype=torch.float64, requires_grad=True)
     block_mask = _causal()
@@ -106,6 +107,13 @@ def test_a_mods_tables_get_the_gradients_of_the_tape():
             torch.testing.assert_close(
                 grad, reference, rtol=1e-10, atol=1e-10, msg=lambda text, name=name: f"{name}: {text}"
             )
+    # Batched slopes reach the Function as its inputs (a Function computing
+    # on what it closes over fails under vmap).
+    batch = torch.stack([slopes.detach(), slopes.detach().flip(0)])
+    mapped = torch.func.vmap(torch.func.grad(loss))(batch)
+    for row, batched in zip(batch, mapped, strict=True):
+        (reference,) = _gradients(lambda s: attention(_own_alibi)(*leaves, s), [row.clone().requires_grad_()])
+        torch.testing.assert_close(batched, reference, rtol=1e-10, atol=1e-10)
 
 
 def _gradients(function, leaves):
