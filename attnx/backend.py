@@ -14,6 +14,8 @@ from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Any
 
+from attnx._tracing import run_at_trace_time
+
 __all__ = ["GPU_BLOCK_BYTES", "Backend", "device_label"]
 
 #: Bytes of scores in one block of the chunked algorithms on a GPU.  Each
@@ -150,8 +152,7 @@ class Backend:
         Called once per array type (attnx caches the answer), so it must not
         depend on the array's values.
         """
-        module = type(array).__module__.partition(".")[0]
-        return module == self.array_module
+        return top_module(type(array)) == self.array_module
 
     def device_of(self, array: Any) -> Any:
         """The device of one of this backend's arrays that has no ``.device``
@@ -318,3 +319,11 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+@run_at_trace_time
+def top_module(kind: type) -> str:
+    """The top-level package that defines the type ``kind`` (``"torch"``
+    for ``torch.nn.Parameter``): called, not traced, by ``torch.compile``,
+    whose Dynamo cannot read a ``Parameter`` class's ``__module__``."""
+    return kind.__module__.partition(".")[0]

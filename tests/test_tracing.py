@@ -324,6 +324,32 @@ def test_torch_compile_in_a_process_that_also_ran_numpy(torch, monkeypatch):
     np.testing.assert_allclose(compiled(torch.from_numpy(scores), torch.from_numpy(lengths)).numpy(), expected)
 
 
+_COMPILED_FIRST = """
+import torch, attnx, attnx.torch
+from attnx import mods
+q, k, v = (torch.randn(1, 2, 128, 16, requires_grad=True) for _ in range(3))
+slopes = torch.tensor([0.5, 0.25], requires_grad=True)
+causal = attnx.create_block_mask(mods.causal, None, None, 128, 128, block_size=64, backend="torch")
+attention = torch.compile(lambda q, k, v, s: attnx.flex_attention(q, k, v, mods.alibi(s), causal), fullgraph=True)
+attention(q, k, v, slopes).sum().backward()
+assert all(t.grad is not None for t in (q, k, v, slopes))
+layer = attnx.torch.MultiheadAttention(32, 4, batch_first=True, num_kv_heads=2, dropout=0.1)
+x = torch.randn(2, 20, 32)
+torch.compile(lambda x: layer(x, x, x, need_weights=False)[0], fullgraph=True)(x).sum().backward()
+assert all(p.grad is not None for p in layer.parameters())
+"""
+
+
+def test_first_calls_compiled_in_a_fresh_process(torch):
+    """Calls whose first run in the process is compiled (fullgraph), with
+    gradients: Dynamo once refused to trace the class statement of attnx's
+    ``autograd.Function`` (made on first use), to read the scores that a
+    mod's closed-over table made (whether they could be updated in place),
+    and to read a ``Parameter`` class's module (who owns the array)."""
+    result = subprocess.run([sys.executable, "-c", _COMPILED_FIRST], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_torch_func_vmap_and_grad(torch):
     q, k, v, lengths, allowed = _inputs(batch=4)
     q, k, v = (torch.from_numpy(a).double() for a in (q, k, v))
