@@ -144,12 +144,12 @@ def document(document_ids: Array) -> Any:
     if document_ids.ndim == 1:
 
         def same_document(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return document_ids[q_idx] == document_ids[kv_idx]
+            return _gather(document_ids, q_idx) == _gather(document_ids, kv_idx)
 
         return for_sizes(same_document, positions)
 
     def same_document_per_entry(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return document_ids[b, q_idx] == document_ids[b, kv_idx]
+        return _gather(document_ids, b, q_idx) == _gather(document_ids, b, kv_idx)
 
     return for_sizes(same_document_per_entry, positions, ("document", "document_ids", "B", document_ids.shape[0]))
 
@@ -238,7 +238,7 @@ def prefix_lm(prefix_length: int | Array) -> Any:
         _require_integer_array("prefix_lm", "prefix_length", prefix_length, (1,))
 
         def prefix_mask_per_entry(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-            return (kv_idx < prefix_length[b]) | _masking.causal_rule(q_idx, kv_idx)
+            return (kv_idx < _gather(prefix_length, b)) | _masking.causal_rule(q_idx, kv_idx)
 
         return for_sizes(prefix_mask_per_entry, ("prefix_lm", "prefix_length", "B", prefix_length.shape[0]))
     prefix_length = _checks.require_positive_int("prefix_lm", "prefix_length", prefix_length, allow_zero=True)
@@ -287,7 +287,7 @@ def alibi(slopes: Array) -> Any:
 
     def alibi_bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         distance = _checks.namespace_of(score).astype(kv_idx - q_idx, score.dtype)
-        return score + slopes[h] * distance
+        return score + _gather(slopes, h) * distance
 
     def backward(d_score: Any, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> tuple[Any, dict[str, Any]]:
         xp = _checks.namespace_of(d_score)
@@ -429,7 +429,7 @@ def relative_bias(table: Array) -> Any:
 
     def bias(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         distance = bucket(_checks.namespace_of(score), q_idx - kv_idx)
-        return score + (table[distance] if table.ndim == 1 else table[h, distance])
+        return score + (_gather(table, distance) if table.ndim == 1 else _gather(table, h, distance))
 
     def backward(d_score: Any, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> tuple[Any, dict[str, Any]]:
         """The table's gradient: the tile's scores' gradient summed along
@@ -455,6 +455,23 @@ def relative_bias(table: Array) -> Any:
 
     with_backward(bias, backward, relative_bias, table=table)
     return bias if table.ndim == 1 else for_sizes(bias, ("relative_bias", "table", "H", table.shape[0]))
+
+
+def _gather(table: Any, *indices: Any) -> Any:
+    """``table[indices]``: one index (an int, or an integer array) for each
+    of ``table``'s axes, the arrays broadcasting together, read as one
+    ``take`` of the flattened table at the flat indices (row-major).  Dask
+    indexes by 1-d integer arrays only, and ``take`` is the standard's way;
+    PyTorch's flex hands the mods 0-d indices, which it takes too."""
+    if not any(hasattr(index, "shape") for index in indices):
+        return table[indices]
+    xp = _checks.namespace_of(table)
+    flat, stride = 0, 1
+    for axis in reversed(range(len(indices))):
+        flat = flat + indices[axis] * stride if stride != 1 else indices[axis]
+        stride *= table.shape[axis]
+    values = table if table.ndim == 1 else xp.reshape(table, (-1,))
+    return xp.reshape(xp.take(values, xp.reshape(flat, (-1,)), axis=0), tuple(flat.shape))
 
 
 def _require_array(operation: str, name: str, array: Any, ndims: tuple[int, ...]) -> None:

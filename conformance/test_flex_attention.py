@@ -28,7 +28,8 @@ BLOCK = (8, 5)
 
 def _indexable(be):
     """Skip where the backend's arrays can't be indexed by an n-d integer
-    array: mods that close over tables (``slopes[h]``) need it."""
+    array (Dask's): a mod of the user's own that reads a table as
+    ``limits[b]`` needs it (attnx.mods' read theirs with ``take``)."""
     table, index = be.array(np.arange(3)), be.xp.reshape(be.array(np.arange(2)), (1, 2))
     try:
         table[index]
@@ -46,7 +47,7 @@ def _document_ids():
     return np.sort(gen.integers(0, 4, size=(B, max(N, M))), axis=1)
 
 
-#: name -> (needs n-d integer indexing, builder(be) -> (score_mod, mask_mod), reference score, reference mask)
+#: name -> (builder(be) -> (score_mod, mask_mod), reference score, reference mask)
 #: The reference functions take NumPy index grids b, h, i (query), j (key).
 SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])
 TABLE = rng(91).standard_normal((H, 7))
@@ -55,52 +56,44 @@ LENGTHS = np.array([5, 9, 4])
 DOC_OF_LENGTHS = np.repeat(np.arange(4), [5, 9, 4, 5])
 
 CASES = {
-    "no mods": (False, lambda be: (None, None), None, None),
-    "causal": (False, lambda be: (None, mods.causal), None, lambda b, h, i, j: j <= i),
+    "no mods": (lambda be: (None, None), None, None),
+    "causal": (lambda be: (None, mods.causal), None, lambda b, h, i, j: j <= i),
     "sliding window": (
-        False,
         lambda be: (None, mods.sliding_window(4)),
         None,
         lambda b, h, i, j: (j <= i) & (i - j <= 4),
     ),
     "document": (
-        True,
         lambda be: (None, mods.document(be.array(_document_ids()))),
         None,
         lambda b, h, i, j: _document_ids()[b, i] == _document_ids()[b, j],
     ),
     "document from lengths, causal": (
-        True,
         lambda be: (None, attnx.and_masks(mods.causal, mods.document_from_lengths(be.array(LENGTHS), max(N, M)))),
         None,
         lambda b, h, i, j: (j <= i) & (DOC_OF_LENGTHS[i] == DOC_OF_LENGTHS[j]),
     ),
     "prefix-LM per batch entry": (
-        True,
         lambda be: (None, mods.prefix_lm(be.array(PREFIX))),
         None,
         lambda b, h, i, j: (j < PREFIX[b]) | (j <= i),
     ),
     "ALiBi": (
-        True,
         lambda be: (mods.alibi(be.array(SLOPES, "float64")), None),
         lambda s, b, h, i, j: s + SLOPES[h] * (j - i),
         None,
     ),
     "soft cap, causal": (
-        False,
         lambda be: (mods.soft_cap(1.5), mods.causal),
         lambda s, b, h, i, j: 1.5 * np.tanh(s / 1.5),
         lambda b, h, i, j: j <= i,
     ),
     "relative bias, sliding window": (
-        True,
         lambda be: (mods.relative_bias(be.array(TABLE, "float64")), mods.sliding_window(6)),
         lambda s, b, h, i, j: s + TABLE[h, np.clip(i - j, -3, 3) + 3],
         lambda b, h, i, j: (j <= i) & (i - j <= 6),
     ),
     "or of masks, rows with nothing": (
-        False,
         lambda be: (
             None,
             attnx.and_masks(attnx.or_masks(mods.sliding_window(2), mods.prefix_lm(4)), lambda b, h, q, kv: q % 3 != 0),
@@ -109,13 +102,11 @@ CASES = {
         lambda b, h, i, j: (((j <= i) & (i - j <= 2)) | (j < 4) | (j <= i)) & (i % 3 != 0),
     ),
     "a mask_mod of the positions alone, 2-D": (
-        False,
         lambda be: (None, lambda b, h, q_idx, kv_idx: (q_idx[0, 0, ...] + 2 * kv_idx[0, 0, ...]) % 3 != 0),
         None,
         lambda b, h, i, j: (i + 2 * j) % 3 != 0,
     ),
     "-inf from score_mod, rows with nothing": (
-        False,
         lambda be: (_minus_inf_outside_window, None),
         lambda s, b, h, i, j: np.where((j <= i) & (i - j <= 4) & (i % 3 != 0), s, -np.inf),
         None,
@@ -150,9 +141,7 @@ def _inputs(be, dtype, n=N, m=M, width=D, value_width=3):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_flex_attention_matches_the_definition(attnx_backend, case):
     be = attnx_backend
-    needs_indexing, build, score, allowed = CASES[case]
-    if needs_indexing:
-        _indexable(be)
+    build, score, allowed = CASES[case]
     dtype = be.dtype("float64")
     (query, key, value), exact = _inputs(be, dtype)
     score_mod, mask_mod = build(be)
@@ -188,9 +177,7 @@ FUSED_SLOPES = SLOPES / 16
 def test_flex_attention_at_the_shapes_fused_kernels_take(attnx_backend, case, dtype):
     be = attnx_backend
     _eager(be)
-    needs_indexing, build, score, allowed = CASES[case]
-    if needs_indexing:
-        _indexable(be)
+    build, score, allowed = CASES[case]
     dtype = be.dtype(dtype)
     sizes = dict(n=FUSED_N, m=FUSED_M, width=FUSED_WIDTH, value_width=FUSED_WIDTH)
     (query, key, value), exact = _inputs(be, dtype, **sizes)
@@ -305,7 +292,6 @@ def test_gradients_reach_the_inputs_and_what_a_mod_closes_over(attnx_backend):
     from attnx_conformance.test_gradients import check_gradients
 
     be = attnx_backend
-    _indexable(be)
     block_mask = _block_mask(be, mods.sliding_window(1), None, None, 3, 4, block_size=2)
 
     def attention(q, k, v, slopes):
@@ -321,7 +307,6 @@ def test_gradients_at_the_shapes_fused_kernels_take(attnx_backend):
 
     be = attnx_backend
     _eager(be)
-    _indexable(be)
     block_mask = _block_mask(be, mods.causal, None, None, 5, 7)
 
     def attention(q, k, v, slopes):
@@ -418,7 +403,6 @@ def test_a_block_mask_for_every_entry_whose_mod_reads_b_or_h_is_refused(attnx_ba
     be = attnx_backend
     (query, key, value), _ = _inputs(be, "float32")
     if axis == "B":
-        _indexable(be)
         mask_mod = mods.prefix_lm(be.array(np.array([0, M])))
     else:
 
@@ -472,22 +456,19 @@ def _table_mismatches():
             rf"mask_mod document\(document_ids\) has document_ids for 6 positions, but the call has max\(n, m\) = {N}",
         ),
         "document ids of 3 entries, in or_masks, at flex_attention": (
-            lambda be, q: (
-                _indexable(be)  # the block mask is made first, running the mod
-                or attnx.flex_attention(
-                    q,
-                    q,
-                    q,
+            lambda be, q: attnx.flex_attention(
+                q,
+                q,
+                q,
+                None,
+                _block_mask(
+                    be,
+                    attnx.or_masks(mods.causal, mods.document(be.array(np.zeros((3, N), dtype=np.int64)))),
                     None,
-                    _block_mask(
-                        be,
-                        attnx.or_masks(mods.causal, mods.document(be.array(np.zeros((3, N), dtype=np.int64)))),
-                        None,
-                        None,
-                        N,
-                        N,
-                    ),
-                )
+                    None,
+                    N,
+                    N,
+                ),
             ),
             rf"flex_attention: block_mask's mask_mod document\(document_ids\) has document_ids for 3 batch entries, but the call has B = {B}",
         ),
