@@ -8,11 +8,12 @@ statistics spare the backward a walk of its own.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from attnx import _checks, _cotangents, _tiling
-from attnx.flex import _FLEX, empty_shape, flex_tiles, mod_backward, tile_score_vjp, validated_call
+from attnx.flex import _FLEX, empty_shape, flex_attention, flex_tiles, mod_backward, tile_score_vjp, validated_call
 
 __all__ = ["flex_attention_vjp"]
 
@@ -51,12 +52,24 @@ def flex_attention_vjp(
     mod = None
     if score_mod is not None:
         mod = mod_backward(score_mod)
+        if mod is None and chosen.supports_autograd:
+            call = functools.partial(
+                flex_attention,
+                score_mod=score_mod,
+                block_mask=block_mask,
+                enable_gqa=enable_gqa,
+                dropout_p=dropout_p,
+                dropout_seed=dropout_seed,
+                backend=backend,
+            )
+            return _through_autograd(operation, chosen, call, query, key, value, scale)
         if mod is None:
             name = getattr(score_mod, "__qualname__", type(score_mod).__name__)
             raise TypeError(
                 f"{operation}: can't differentiate the score_mod {name}, a function of your own, on "
-                f"{chosen.name!r}: attnx differentiates the score_mods of attnx.mods that say how (alibi, relative_bias, soft_cap); "
-                "PyTorch's and JAX's autograd differentiate any score_mod, and what it closes over"
+                f"{chosen.name!r}, which has no autograd: attnx differentiates the score_mods of attnx.mods that "
+                "say how (alibi, relative_bias, soft_cap); on PyTorch and JAX attnx.vjp hands any score_mod "
+                "to their autograd"
             )
     xp, given_scale, scale = chosen.xp, scale, arguments["scale"]
     plan = flex_tiles(
@@ -108,6 +121,36 @@ def flex_attention_vjp(
         return (*gradients, summed)
 
     return output, _backward(operation, xp, query, key, value, given_scale, tables, output, tiled)
+
+
+def _through_autograd(
+    operation: str, chosen: Any, call: Callable[..., Any], query: Any, key: Any, value: Any, scale: Any
+) -> tuple[Any, Callable[[Any], dict[str, Any]]]:
+    """``attnx.vjp`` of ``call(query, key, value, scale=scale)`` (a score_mod
+    of the user's own) by the backend's autograd (:meth:`~attnx.Backend.gradients`
+    of the output times the cotangent): the forward again at each backward,
+    as the library's own ``vjp`` of a recomputed function.  The cotangents
+    are those of the arrays given; what the mod closes over gets none here
+    (the library's own ``grad`` gives it)."""
+    xp = chosen.xp
+    scale_is_array = scale is not None and type(scale) not in (int, float)
+    names = ["query", "key", "value", *(["scale"] if scale_is_array else [])]
+    arrays = [query, key, value, *([scale] if scale_is_array else [])]
+
+    def called(q: Any, k: Any, v: Any, *given_scale: Any) -> Any:
+        return call(q, k, v, scale=given_scale[0] if given_scale else scale)
+
+    output = called(*arrays)
+
+    def backward(cotangent: Any) -> dict[str, Any]:
+        _cotangents.require(operation, cotangent, output)
+        grads = chosen.gradients(lambda *xs: called(*xs) * cotangent, arrays)
+        return {
+            name: xp.zeros_like(array) if grad is None else _cotangents.like(xp, grad, array)
+            for name, grad, array in zip(names, grads, arrays, strict=True)
+        }
+
+    return output, backward
 
 
 def _backward(

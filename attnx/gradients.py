@@ -35,7 +35,10 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
         :func:`attnx.scaled_dot_product_attention`,
         :func:`attnx.masked_softmax`, :func:`attnx.flex_attention` (a
         block mask, and the score_mods of :mod:`attnx.mods` that carry
-        their backward: ``alibi``, ``relative_bias``, ``soft_cap``), :func:`attnx.multi_head_attention`,
+        their backward: ``alibi``, ``relative_bias``, ``soft_cap``; on a
+        backend with autograd, PyTorch's or JAX's, a score_mod of the
+        user's own is handed to the library, which differentiates the call
+        again at the backward), :func:`attnx.multi_head_attention`,
         :func:`attnx.additive_attention`, :func:`attnx.bahdanau_context`,
         :func:`attnx.nadaraya_watson`, :func:`attnx.causal_conv1d`,
         :func:`attnx.apply_rotary` or an :class:`attnx.LearnedPositions`
@@ -72,8 +75,8 @@ def vjp(operation: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Array
     ------
     TypeError
         If ``operation`` is not one that :func:`vjp` differentiates, a
-        ``score_mod`` of the user's own is given to
-        ``flex_attention`` (PyTorch's and JAX's autograd differentiate one), a kernel of the user's own to
+        ``score_mod`` of the user's own is given to ``flex_attention`` on
+        a backend without autograd, a kernel of the user's own to
         ``nadaraya_watson``, or the cotangent is not an array of the
         output's backend and dtype; and whatever ``operation`` raises for
         its arguments.

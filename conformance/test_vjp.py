@@ -534,3 +534,42 @@ def test_flex_gradients_reach_the_score_mods_tables(attnx_backend, mod):
         return float((out * cotangent).sum())
 
     _directional_check(be, grads, loss, arguments, gen)
+
+
+def test_a_score_mod_of_your_own_goes_to_the_librarys_autograd(attnx_backend):
+    """``attnx.vjp`` with a score_mod of the user's own: where the backend
+    has autograd, the library differentiates it, and the cotangents equal
+    those attnx's own backward gives the same mod from attnx.mods (ALiBi,
+    checked against central differences above); where it has none, it is
+    refused by name."""
+    be = attnx_backend
+    dtype = be.dtype("float64")
+    gen = rng(64)
+    arrays = [
+        be.array(rounded(gen.standard_normal(shape), be, dtype), dtype)
+        for shape in ((2, 4, 5, 3), (2, 2, 6, 3), (2, 2, 6, 2))
+    ]
+    slopes = be.array(rounded(gen.random(4), be, dtype), dtype)
+    xp = be.xp
+
+    def own_alibi(score, b, h, q_idx, kv_idx):
+        per_head = xp.reshape(xp.take(slopes, xp.reshape(h, (-1,)), axis=0), h.shape)
+        return score + per_head * xp.astype(kv_idx - q_idx, score.dtype)
+
+    block_mask = attnx.create_block_mask(attnx.mods.causal, None, None, 5, 6, block_size=(2, 3), device=be.device)
+    if not be.backend.supports_autograd:
+        with pytest.raises(
+            TypeError, match=rf"own_alibi, a function of your own, on '{be.name}', which has no autograd"
+        ):
+            attnx.vjp(attnx.flex_attention, *arrays, own_alibi, block_mask, enable_gqa=True)
+        return
+    output, backward = attnx.vjp(attnx.flex_attention, *arrays, own_alibi, block_mask, enable_gqa=True)
+    expected_output, expected_backward = attnx.vjp(
+        attnx.flex_attention, *arrays, attnx.mods.alibi(slopes), block_mask, enable_gqa=True
+    )
+    assert_close(output, be.numpy(expected_output), be, dtype)
+    cotangent = be.array(rounded(gen.standard_normal((2, 4, 5, 2)), be, dtype), dtype)
+    grads, expected = backward(cotangent), expected_backward(cotangent)
+    assert sorted(grads) == ["key", "query", "value"]
+    for name in grads:
+        assert_close(grads[name], be.numpy(expected[name]), be, dtype)
