@@ -100,8 +100,9 @@ class TorchBackend(Backend):
         import torch
 
         leaves = [a.detach().clone().requires_grad_(True) for a in arrays]
-        output = function(*leaves)
-        return list(torch.autograd.grad(output.sum(), leaves, allow_unused=True))
+        with torch.enable_grad():  # asked for gradients: under torch.no_grad too
+            total = function(*leaves).sum()
+        return list(torch.autograd.grad(total, leaves, allow_unused=True))
 
     def custom_vjp(self, forward: Callable[..., Any], backward: Callable[..., Any], arrays: tuple[Any, ...]) -> Any:
         import torch

@@ -535,3 +535,22 @@ def test_a_real_mask_s_gradient_through_multi_head_attention(case):
     (want,) = torch.autograd.grad(expected, [torch_mask], torch.tensor(cotangent))
     assert got.shape == mask.shape
     np.testing.assert_allclose(got, want.numpy().reshape(mask.shape), rtol=1e-9, atol=1e-11)
+
+
+def test_a_score_mod_of_your_own_differentiates_under_torch_no_grad():
+    """attnx.vjp hands a user's own score_mod to PyTorch's autograd, which
+    is asked for gradients whatever grad mode the caller is in."""
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator().manual_seed(64)
+    q, k, v = (torch.randn((1, 2, 9, 4), generator=generator, dtype=torch.float64) for _ in range(3))
+
+    def halved(score, b, h, q_idx, kv_idx):
+        return score / 2
+
+    output, backward = attnx.vjp(attnx.flex_attention, q, k, v, halved)
+    expected = backward(output)
+    with torch.no_grad():
+        output, backward = attnx.vjp(attnx.flex_attention, q, k, v, halved)
+        got = backward(output)
+    for name in ("query", "key", "value"):
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0)
