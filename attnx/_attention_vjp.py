@@ -95,9 +95,7 @@ def scaled_dot_product_attention_vjp(
             for name, grad in grads.items():
                 shape = tuple(given[name].shape)
                 grads[name] = _grouping.ungroup(xp, grad, shape) if name == "query" else xp.reshape(grad, shape)
-        # A 0-d array, or NumPy's scalar (what arithmetic on a 0-d array gives
-        # back): a training loop's updated scale keeps its gradient.
-        if scale is not None and type(scale) not in (int, float):
+        if _cotangents.gets_cotangent(scale):
             grads["scale"] = _cotangents.like(xp, d_scale, scale) if chosen.owns(scale) else d_scale
         return grads
 

@@ -27,6 +27,14 @@ def require(operation: str, cotangent: Any, output: Any) -> None:
         )
 
 
+def gets_cotangent(scale: Any) -> bool:
+    """Whether :func:`attnx.vjp` gives ``scale`` a cotangent: a 0-d array,
+    or NumPy's scalar (what arithmetic on a 0-d array gives back, so that a
+    training loop's updated scale keeps its gradient); not None or a Python
+    number."""
+    return scale is not None and type(scale) not in (int, float)
+
+
 def like(xp: Any, gradient: Any, argument: Any) -> Any:
     """``gradient`` summed over the axes ``argument`` was broadcast along,
     in ``argument``'s dtype: a cotangent has its argument's shape."""

@@ -133,7 +133,7 @@ def _through_autograd(
     are those of the arrays given; what the mod closes over gets none here
     (the library's own ``grad`` gives it)."""
     xp = chosen.xp
-    scale_is_array = scale is not None and type(scale) not in (int, float)
+    scale_is_array = _cotangents.gets_cotangent(scale)
     names = ["query", "key", "value", *(["scale"] if scale_is_array else [])]
     arrays = [query, key, value, *([scale] if scale_is_array else [])]
 
@@ -169,9 +169,7 @@ def _backward(
     heads' key/value gradients summed over the query heads that share them,
     each summed to its argument's (broadcast) shape, and the score_mod's
     ``tables``' under ``"score_mod"``."""
-    # A 0-d array, or NumPy's scalar (what arithmetic on a 0-d array gives
-    # back): a training loop's updated scale keeps its gradient, as SDPA's.
-    scale_is_array = scale is not None and type(scale) not in (int, float)
+    scale_is_array = _cotangents.gets_cotangent(scale)
 
     def backward(cotangent: Any) -> dict[str, Any]:
         _cotangents.require(operation, cotangent, output)
