@@ -230,7 +230,9 @@ def check_multi_head(
     return {"h": h, "h_kv": h_kv, "d_k": d_k, "d_v": d_v}
 
 
-def _project(x: Any, params: Mapping[str, Any], weight: str, bias: str) -> Any:
+def project(x: Any, params: Mapping[str, Any], weight: str, bias: str) -> Any:
+    """``x @ params[weight]``, plus ``params[bias]`` where the layer has
+    one: a projection of the heads (here and in :mod:`attnx.torch`)."""
     y = x @ params[weight]
     b = params.get(bias)
     return y if b is None else y + b
@@ -271,13 +273,13 @@ def heads_in(
     h, h_kv = layout["h"], layout["h_kv"]
     groups = h // h_kv
     n, m = query.shape[-2], key.shape[-2]
-    k, v = _project(key, params, "w_k", "b_k"), _project(value, params, "w_v", "b_v")
+    k, v = project(key, params, "w_k", "b_k"), project(value, params, "w_v", "b_v")
     extra = 0  # keys appended after the projections, attended by every query
     if params.get("bias_k") is not None:
         k, v = _append_position(xp, k, params["bias_k"]), _append_position(xp, v, params["bias_v"])
         extra += 1
     # Query heads as (h_kv, groups): query head i = kv * groups + g uses key/value head kv.
-    q = _split_heads(xp, _project(query, params, "w_q", "b_q"), h)
+    q = _split_heads(xp, project(query, params, "w_q", "b_q"), h)
     q = xp.reshape(q, (*q.shape[:-4], h_kv, groups, n, q.shape[-1]))
     k, v = _split_heads(xp, k, h_kv), _split_heads(xp, v, h_kv)
     if add_zero_attn:
@@ -352,7 +354,7 @@ def _multi_head_generic(
     heads = xp.reshape(heads, (*lead, h, n, d_v))
     axes = tuple(range(len(lead)))
     concat = xp.reshape(xp.permute_dims(heads, (*axes, len(lead) + 1, len(lead), len(lead) + 2)), (*lead, n, h * d_v))
-    output = _project(concat, params, "w_o", "b_o") if params.get("w_o") is not None else concat
+    output = project(concat, params, "w_o", "b_o") if params.get("w_o") is not None else concat
     if not return_weights:
         return output
     weights = xp.reshape(weights, (*lead, h, n, m + extra))

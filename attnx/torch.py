@@ -18,7 +18,7 @@ from torch import nn
 
 from attnx.attention import scaled_dot_product_attention
 from attnx.flex import flex_attention
-from attnx.multihead import multi_head_attention
+from attnx.multihead import multi_head_attention, project
 from attnx.positional import apply_rotary
 
 __all__ = ["MultiheadAttention"]
@@ -270,9 +270,7 @@ class MultiheadAttention(nn.Module):
             (key, "k", self.num_kv_heads),
             (value, "v", self.num_kv_heads),
         ):
-            projected = x @ params[f"w_{name}"]
-            if f"b_{name}" in params:
-                projected = projected + params[f"b_{name}"]
+            projected = project(x, params, f"w_{name}", f"b_{name}")
             heads.append(projected.unflatten(-1, (count, self.head_dim)).transpose(1, 2))
         q, k, v = heads
         if self.rotary:
@@ -289,10 +287,7 @@ class MultiheadAttention(nn.Module):
                 q, k, v, mask=mask, enable_gqa=grouped, return_weights=need_weights, **options
             )
         output, weights = result if need_weights else (result, None)
-        output = output.transpose(1, 2).flatten(-2) @ params["w_o"]
-        if "b_o" in params:
-            output = output + params["b_o"]
-        return output, weights
+        return project(output.transpose(1, 2).flatten(-2), params, "w_o", "b_o"), weights
 
     def _attnx_mask(self, key_padding_mask: Any, attn_mask: Any, dtype: Any, batch: int) -> Any:
         """PyTorch's two masks (``True``: not attended) as attnx's one mask
