@@ -466,9 +466,9 @@ def _gather(table: Any, *indices: Any) -> Any:
     if not any(hasattr(index, "shape") for index in indices):
         return table[indices]
     xp = _checks.namespace_of(table)
-    flat, stride = 0, 1
-    for axis in reversed(range(len(indices))):
-        flat = flat + indices[axis] * stride if stride != 1 else indices[axis]
+    flat, stride = indices[-1], table.shape[-1]
+    for axis in range(len(indices) - 2, -1, -1):
+        flat = flat + indices[axis] * stride
         stride *= table.shape[axis]
     values = table if table.ndim == 1 else xp.reshape(table, (-1,))
     return xp.reshape(xp.take(values, xp.reshape(flat, (-1,)), axis=0), tuple(flat.shape))
