@@ -520,6 +520,12 @@ def _mask_future(scores: Any, r0: int, n: int, m: int, c0: int, c1: int, exponen
         np.copyto(band, -np.inf, where=_band(n, m, r0, r0 + scores.shape[1], b0, c1, bool))
 
 
+def _last_keys(scores: Any, kept: Any) -> Any:
+    """The scores of the keys that the lengths' factors ``kept`` cover: a
+    block's last ones (:meth:`.numpy_masks.BlockMasks.block`)."""
+    return scores[..., scores.shape[-1] - kept.shape[-1] :]
+
+
 #: The causal mask on the band of a block, by the block's geometry and dtype
 #: (see :func:`_band`): building one takes some 17 us, a tenth of a task of
 #: four (128, 128) slices.  At most BANDS of at most BAND_ITEMS each.
@@ -604,7 +610,7 @@ def _attend_block(
             if allowed is not None:
                 np.copyto(scores, -np.inf, where=~allowed)
             if kept is not None:
-                np.copyto(scores, -np.inf, where=kept == 0)
+                np.copyto(_last_keys(scores, kept), -np.inf, where=kept == 0)
             block_max = scores.max(axis=-1, keepdims=True)
             if shift is None:
                 # Without masks the first block holds key 0, which every row
@@ -630,7 +636,8 @@ def _attend_block(
             if allowed is not None:
                 np.multiply(scores, allowed, out=scores)
             if kept is not None:
-                np.multiply(scores, kept, out=scores)
+                band = _last_keys(scores, kept)
+                np.multiply(band, kept, out=band)
         if c0 == 0:
             _row_sums(scores, out=totals)
             np.matmul(scores, value[:, c0:c1], out=output)

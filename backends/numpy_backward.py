@@ -33,7 +33,7 @@ import numpy as np
 
 from attnx import get_memory_budget, natives
 
-from .numpy_attention import _as_slices, _mask_future, _scratch, _slices_taken, attend, plan
+from .numpy_attention import _as_slices, _last_keys, _mask_future, _scratch, _slices_taken, attend, plan
 from .numpy_masks import CallMasks
 
 
@@ -239,7 +239,7 @@ def _rows(
             if allowed is not None:
                 np.copyto(weights, -np.inf, where=~allowed)
             if kept is not None:
-                np.copyto(weights, -np.inf, where=kept == 0)
+                np.copyto(_last_keys(weights, kept), -np.inf, where=kept == 0)
         weights -= lse
         np.exp(weights, out=weights)  # P
         part = np.matmul(weights.transpose(0, 2, 1), d_out)

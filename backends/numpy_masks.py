@@ -128,7 +128,15 @@ class BlockMasks:
         real mask in ``dtype``, the boolean mask, and the lengths' factor of
         1 for a key a row may see and 0 for one it may not, written into the
         flat buffer ``factors``; the lengths and a mask of one row of keys
-        per slice only where the keys reach past ``free``."""
+        per slice only where the keys reach past ``free``.
+
+        ``kept`` covers the block's last keys only, from ``free`` on (every
+        row may see the keys before it), so it applies to the scores' last
+        ``kept.shape[-1]`` keys: a chunk of prefill whose lengths cut 127
+        keys of a block of 2,048 is masked on those, not on the whole
+        block.  Where that band is a third of the block or more it covers
+        the whole block: a product on part of each row costs some three
+        times one on whole rows (as the causal band's, ``_mask_future``)."""
         additive = allowed = kept = None
         if self.untouched is not None and c1 <= free:  # a padding mask (and lengths), before their first hole
             return None, None, None
@@ -140,9 +148,10 @@ class BlockMasks:
             allowed = _cut(_cut(self.allowed, 1, r0, r1), 2, c0, c1)
         if self.lengths is not None and c1 > free:
             lengths = _cut(self.lengths, 1, r0, r1)
-            shape = (lengths.shape[0], lengths.shape[1], c1 - c0)
+            b0 = c0 if 3 * (c1 - max(c0, free)) >= c1 - c0 else free
+            shape = (lengths.shape[0], lengths.shape[1], c1 - b0)
             kept = factors[: math.prod(shape)].reshape(shape)
-            np.less(self.positions[c0:c1], lengths, out=kept)
+            np.less(self.positions[b0:c1], lengths, out=kept)
         return additive, allowed, kept
 
 
