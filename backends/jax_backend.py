@@ -23,6 +23,7 @@ no tile.
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -222,15 +223,17 @@ def _scaled_dot_product_attention(
     batch_shape: Any = None,
     chunk_size: Any = None,
 ) -> Any:
-    # JAX's masked rows differ from attnx's (an average, not zeros), its
-    # causal mask aligns to the start, and it returns no weights: decline all
-    # of those.  Its layout is (batch, n, heads, d), with exactly four axes.
-    if return_weights or mask is not None or key_lengths is not None:
+    if return_weights:
         return NotImplemented
     import jax
 
     if jax.default_backend() not in NATIVE_PLATFORMS:
-        return _flash(query, key, value, is_causal, scale, chunks, chunk_size)
+        return _flash(query, key, value, mask, key_lengths, is_causal, scale, chunks, chunk_size, batch_shape)
+    # JAX's masked rows differ from attnx's (an average, not zeros), its
+    # causal mask aligns to the start, and it returns no weights: decline all
+    # of those.  Its layout is (batch, n, heads, d), with exactly four axes.
+    if mask is not None or key_lengths is not None:
+        return NotImplemented
     n, m = query.shape[-2], key.shape[-2]
     if (is_causal and n != m) or n == 0 or m == 0:
         return NotImplemented
@@ -268,25 +271,73 @@ def _scaled_dot_product_attention(
 FLASH_BLOCKS = (512, 256)
 
 
-def _flash(query: Any, key: Any, value: Any, is_causal: bool, scale: Any, chunks: Any, chunk_size: Any) -> Any:
+def _flash(
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: Any,
+    chunks: Any,
+    chunk_size: Any,
+    batch_shape: tuple[int, ...],
+) -> Any:
     """attnx's tiles in JAX's loops (:mod:`.jax_flash`) where attnx would
     cut the work into tiles (``chunks``): XLA runs them as loops, and
     ``jax.grad`` keeps no tile.  Measured jitted on 2 CPU cores, forward and
     backward of a causal (1, 2, 8192, 64) float32 call: 10.7 MiB of temporaries
     (XLA's memory analysis) where attnx's unrolled tiles took 892 MiB and
-    ``jax.nn.dot_product_attention`` 1,540 MiB."""
+    ``jax.nn.dot_product_attention`` 1,540 MiB.  Grouped heads, ``key_lengths``
+    and boolean masks too (:func:`_laid_mask`); a real mask, whose gradient
+    the generic backward gives, is left to it."""
     if chunks is None or chunk_size is not None or not isinstance(scale, float) or query.ndim < 3:
         # One block (small calls), tiles the user sized for attnx's own algorithm (and the
         # conformance suite's small ones, which would each compile the loops), or a traced
         # scale: the generic algorithm.
         return NotImplemented
-    if not tuple(query.shape[:-2]) == tuple(key.shape[:-2]) == tuple(value.shape[:-2]):
-        return NotImplemented  # broadcast leading dimensions (grouped heads): the generic algorithm
-    if 0 in (query.shape[-2], key.shape[-2]) or str(query.dtype) not in ("float32", "float64"):
+    groups = natives.key_groups(query.shape, key.shape, value.shape)
+    if groups == 1 and not tuple(query.shape[:-2]) == tuple(key.shape[:-2]) == tuple(value.shape[:-2]):
+        return NotImplemented  # keys broadcast over the batch: the generic algorithm
+    n, m = query.shape[-2], key.shape[-2]
+    if 0 in (n, m) or str(query.dtype) not in ("float32", "float64"):
         return NotImplemented  # half precision computes in float32 in the generic algorithm
+    import jax.numpy as jnp
+
+    laid = None if mask is None else _laid_mask(jnp, mask, tuple(batch_shape))
+    if laid is NotImplemented:
+        return NotImplemented
+    counts = None if key_lengths is None else natives.key_counts(jnp, key_lengths, False, tuple(batch_shape), n, m)
     from .jax_flash import attention
 
-    return attention(query, key, value, scale=scale, is_causal=is_causal, blocks=FLASH_BLOCKS)
+    return attention(
+        query,
+        key,
+        value,
+        scale=scale,
+        is_causal=is_causal,
+        blocks=FLASH_BLOCKS,
+        groups=groups,
+        counts=counts,
+        mask=laid,
+    )
+
+
+def _laid_mask(jnp: Any, mask: Any, batch_shape: tuple[int, ...]) -> Any:
+    """A boolean ``mask`` as :func:`.jax_flash.attention` takes it, ``(S or 1,
+    n or 1, m or 1)`` over the call's ``S`` slices: shared by every slice,
+    one per slice, or one row of keys per slice (padding, copied per slice:
+    small); ``NotImplemented`` for a real mask, or one that would be copied
+    whole for every slice it is shared by."""
+    if mask.dtype != jnp.bool_:
+        return NotImplemented
+    mask = mask.reshape((1,) * (len(batch_shape) + 2 - mask.ndim) + tuple(mask.shape))
+    lead, core = tuple(mask.shape[:-2]), tuple(mask.shape[-2:])
+    if all(size == 1 for size in lead):
+        return mask.reshape(1, *core)
+    if lead == batch_shape or core[0] == 1:
+        return jnp.broadcast_to(mask, (*batch_shape, *core)).reshape(math.prod(batch_shape), *core)
+    return NotImplemented
 
 
 def _outside_traces() -> bool:
