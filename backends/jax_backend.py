@@ -201,7 +201,10 @@ class JaxBackend(Backend):
 
     def implementations(self) -> Mapping[str, Callable[..., Any]]:
         if self._natives is None:
-            self._natives = {"scaled_dot_product_attention": _scaled_dot_product_attention}
+            self._natives = {
+                "scaled_dot_product_attention": _scaled_dot_product_attention,
+                "flex_attention": _flex_attention,
+            }
         return self._natives
 
 
@@ -321,6 +324,47 @@ def _flash(
         counts=counts,
         mask=laid,
     )
+
+
+def _flex_attention(
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    score_mod: Any,
+    block_mask: Any,
+    scale: Any,
+    enable_gqa: bool,
+    return_weights: bool,
+) -> Any:
+    """``flex_attention`` in JAX's loops (:mod:`.jax_flash`) where it is
+    traced (``jax.jit``, ``jax.grad``) on the CPU: XLA runs the blocks that
+    the block mask leaves non-empty as loops, and ``jax.grad`` keeps no
+    tile; the score_mod's tables (what it closes over) get their gradients
+    from the loops' backward.  Eager calls keep attnx's tiles, which need
+    no compiling."""
+    import jax
+
+    if return_weights or jax.default_backend() in NATIVE_PLATFORMS or not isinstance(scale, float):
+        return NotImplemented
+    if not any(isinstance(a, jax.core.Tracer) for a in (query, key, value)):
+        return NotImplemented
+    batch, heads, n, d_k = query.shape
+    kv_heads, m = key.shape[1], key.shape[2]
+    if not key.shape[0] == value.shape[0] == batch or 0 in (batch, heads, n, m):
+        return NotImplemented  # keys broadcast over the batch, or nothing to compute: attnx's tiles
+    if str(query.dtype) not in ("float32", "float64"):
+        return NotImplemented  # half precision computes in float32 in the generic algorithm
+    from .jax_flash import attention, flex_loops
+
+    blocks = FLASH_BLOCKS if block_mask is None else tuple(block_mask.block_size)
+    groups = heads // kv_heads
+    if groups > 1:  # attnx's layout of grouped heads: (B, H_kv, G) queries against (B, H_kv, 1) keys
+        query = query.reshape(batch, kv_heads, groups, n, d_k)
+        key, value = (a.reshape(batch, kv_heads, 1, m, a.shape[-1]) for a in (key, value))
+    loops = flex_loops(query.reshape(batch, heads, n, d_k), m, score_mod, block_mask, blocks)
+    output = attention(query, key, value, scale=scale, is_causal=False, blocks=blocks, groups=groups, flex=loops)
+    return output.reshape(batch, heads, n, value.shape[-1])
 
 
 def _laid_mask(jnp: Any, mask: Any, batch_shape: tuple[int, ...]) -> Any:

@@ -171,3 +171,125 @@ def test_the_jitted_backward_of_masked_and_grouped_calls_keeps_no_tile(options):
     gradient = jax.jit(jax.grad(lambda q, k, v: attnx.scaled_dot_product_attention(q, k, v, **on_jax).sum(), (0, 1, 2)))
     held = gradient.lower(*inputs).compile().memory_analysis().temp_size_in_bytes
     assert held <= 64 * 2**20, f"{held / 2**20:.1f} MiB of temporaries"
+
+
+def _dense_flex(q, k, v, score_mod, mask_mod, scale):
+    """FlexAttention from its definition, dense, in JAX (differentiated by
+    ``jax.grad`` as a reference): query head ``h`` reads key/value head
+    ``h // G``, the score_mod on the scaled scores, the mask_mod after, and
+    zeros for a row that attends nothing."""
+    batch, heads, n, _ = q.shape
+    group = heads // k.shape[1]
+    k, v = (jnp.repeat(a, group, axis=1) for a in (k, v))
+    scores = jnp.einsum("bhnd,bhmd->bhnm", q, k) * scale
+    b, h, i, j = (
+        jnp.arange(batch).reshape(-1, 1, 1, 1),
+        jnp.arange(heads).reshape(1, -1, 1, 1),
+        jnp.arange(n).reshape(1, 1, -1, 1),
+        jnp.arange(k.shape[2]).reshape(1, 1, 1, -1),
+    )
+    if score_mod is not None:
+        scores = score_mod(scores, b, h, i, j)
+    if mask_mod is not None:
+        scores = jnp.where(mask_mod(b, h, i, j), scores, -jnp.inf)
+    largest = scores.max(axis=-1, keepdims=True)
+    exponentials = jnp.exp(scores - jnp.where(jnp.isfinite(largest), largest, 0.0))
+    total = exponentials.sum(axis=-1, keepdims=True)
+    return jnp.einsum("bhnm,bhmd->bhnd", exponentials / jnp.where(total > 0, total, 1.0), v)
+
+
+def _flex_case(name, rng):
+    """``(heads, kv_heads, batch_sizes_of_the_block_mask, mask_mod, table, make_score_mod)``."""
+    from attnx import mods
+
+    def causal_but_row_two(b, h, q_idx, kv_idx):  # a row that attends nothing
+        return (kv_idx <= q_idx) & (q_idx != 2)
+
+    def shifted_by_batch(b, h, q_idx, kv_idx):  # reads b: a block mask per batch entry
+        return kv_idx <= q_idx + 6 * b
+
+    def own_mod(table):  # closes over a real array, and masks with -inf
+        return lambda score, b, h, q_idx, kv_idx: jnp.where(kv_idx > q_idx + 9, -jnp.inf, score * table[h])
+
+    ids = jnp.asarray(np.repeat(np.arange(4), 7)[:28])
+    cases = {
+        "causal": (4, 4, (None, None), causal_but_row_two, None, None),
+        "window_alibi": (4, 4, (None, None), mods.sliding_window(5), rng.uniform(0.1, 1, 4), mods.alibi),
+        "relative_bias": (4, 4, None, None, rng.standard_normal((4, 7)), mods.relative_bias),
+        "grouped_soft_cap": (4, 2, (None, None), mods.causal, None, lambda _: mods.soft_cap(2.0)),
+        "per_batch_own_mod": (4, 2, (2, None), shifted_by_batch, rng.uniform(0.5, 2, 4), own_mod),
+        "document": (2, 2, (None, None), mods.document(ids), None, None),
+    }
+    return cases[name]
+
+
+@pytest.mark.parametrize(
+    "name", ["causal", "window_alibi", "relative_bias", "grouped_soft_cap", "per_batch_own_mod", "document"]
+)
+def test_flex_attention_runs_in_the_loops_when_traced(monkeypatch, name):
+    """Traced on the CPU, ``flex_attention`` runs in the loops: the blocks
+    the block mask leaves non-empty (blocks of 8 over n = 20, m = 28: empty,
+    partial and full ones), mods of attnx and of the user's own (closing
+    over a real array, giving -inf), grouped heads, a row that attends
+    nothing.  Under ``jax.jit(jax.grad(...))`` the output and the gradients
+    of the query, key, value and the score_mod's table equal those of the
+    dense formula differentiated by JAX."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the loops serve the CPU")
+    import attnx_backends.jax_flash as jax_flash
+
+    taken = []
+    flex_loops = jax_flash.flex_loops
+    monkeypatch.setattr(jax_flash, "flex_loops", lambda *a: taken.append(a) or flex_loops(*a))
+    rng = np.random.default_rng(len(name))
+    heads, kv_heads, sizes, mask_mod, table, make_mod = _flex_case(name, rng)
+    batch, n, m, d = 2, 20, 28, 4
+    q = jnp.asarray(rng.standard_normal((batch, heads, n, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((batch, kv_heads, m, d)), jnp.float32) for _ in range(2))
+    table = jnp.asarray(np.zeros(1) if table is None else table, jnp.float32)
+    block_mask = None
+    if sizes is not None:
+        block_mask = attnx.create_block_mask(mask_mod, *sizes, n, m, block_size=8, backend="jax")
+
+    def loss(attend, q, k, v, table):
+        score_mod = None if make_mod is None else make_mod(table)
+        output = attend(q, k, v, score_mod)
+        return (output * jnp.cos(output)).sum(), output
+
+    def ours(q, k, v, score_mod):
+        return attnx.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=heads != kv_heads)
+
+    def dense(q, k, v, score_mod):
+        return _dense_flex(q, k, v, score_mod, mask_mod, 0.5)
+
+    differentiated = (0, 1, 2, 3)
+    (_, got), grads = jax.jit(jax.value_and_grad(lambda *a: loss(ours, *a), differentiated, has_aux=True))(
+        q, k, v, table
+    )
+    (_, want), expected = jax.value_and_grad(lambda *a: loss(dense, *a), differentiated, has_aux=True)(q, k, v, table)
+    assert taken, "the loops should take the traced call"
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    for name_of, g, e in zip(("query", "key", "value", "table"), grads, expected):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=2e-5, err_msg=name_of)
+
+
+@pytest.mark.parametrize("with_alibi", [False, True], ids=["causal", "causal_alibi"])
+def test_the_jitted_backward_of_flex_attention_keeps_no_tile(with_alibi):
+    """``flex_attention`` with a causal block mask (and ALiBi, whose slopes
+    get their gradient) within the same 64 MiB at (1, 2, 8192, 64): attnx's
+    tiles unrolled into the program held 261-275 MiB at (1, 2, 4096, 64)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the loops serve the CPU")
+    from attnx import mods
+
+    n = SHAPE[2]
+    block_mask = attnx.create_block_mask(mods.causal, None, None, n, n, backend="jax")
+
+    def loss(q, k, v, slopes):
+        score_mod = mods.alibi(slopes) if with_alibi else None
+        return attnx.flex_attention(q, k, v, score_mod, block_mask).sum()
+
+    inputs = [jnp.ones(SHAPE, jnp.float32) for _ in range(3)] + [jnp.ones(SHAPE[1], jnp.float32)]
+    gradient = jax.jit(jax.grad(loss, (0, 1, 2, 3)))
+    held = gradient.lower(*inputs).compile().memory_analysis().temp_size_in_bytes
+    assert held <= 64 * 2**20, f"{held / 2**20:.1f} MiB of temporaries"
