@@ -169,7 +169,11 @@ def test_jax_under_jit_plans_for_the_default_backend(monkeypatch):
         seen.append(attnx.get_memory_budget("jax", None))
         query = jax.numpy.zeros((1, 8, 2048, 16), dtype=jax.numpy.float32)
         window = attnx.create_block_mask(attnx.mods.sliding_window(256), None, None, 2048, 2048, backend="jax")
-        traced = jax.make_jaxpr(lambda q: attnx.flex_attention(q, q, q, block_mask=window))(query)
+
+        def call(q):  # with dropout: attnx's own tiles (traced on the CPU, a call without runs in JAX's loops)
+            return attnx.flex_attention(q, q, q, block_mask=window, dropout_p=0.1, dropout_seed=0)
+
+        traced = jax.make_jaxpr(call)(query)
         return len(traced.eqns)
 
     assert length_of_program("gpu") < length_of_program("cpu")
