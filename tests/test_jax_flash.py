@@ -8,6 +8,7 @@ import pytest
 
 import attnx
 from attnx.attention import sdpa_generic
+from attnx_conformance import reference
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -106,7 +107,6 @@ def test_masks_lengths_and_grouped_heads_run_in_the_loops(monkeypatch, rule, gro
         pytest.skip("the loops serve the CPU; accelerators run jax.nn.dot_product_attention")
     import attnx_backends.jax_backend as jax_backend
     import attnx_backends.jax_flash as jax_flash
-    from conformance import reference
 
     calls = []
     attention = jax_flash.attention
