@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from attnx import Backend, hookimpl, natives
+from attnx import Backend, get_memory_budget, hookimpl, natives
 from attnx.backend import GPU_BLOCK_BYTES
 
 #: Platforms whose arrays take a GPU's blocks.
@@ -355,6 +355,10 @@ def _flex_attention(
         return NotImplemented  # keys broadcast over the batch, or nothing to compute: attnx's tiles
     if str(query.dtype) not in ("float32", "float64"):
         return NotImplemented  # half precision computes in float32 in the generic algorithm
+    if batch * heads * n * m * query.dtype.itemsize <= get_memory_budget("jax"):
+        # Scores that attnx holds in one block: nothing to save, and compiling the loops costs
+        # more than the block (the conformance suite's small calls would each compile them).
+        return NotImplemented
     from .jax_flash import attention, flex_loops
 
     blocks = FLASH_BLOCKS if block_mask is None else tuple(block_mask.block_size)
