@@ -342,7 +342,7 @@ def _flex_attention(
     the block mask leaves non-empty as loops, and ``jax.grad`` keeps no
     tile; the score_mod's tables (what it closes over) get their gradients
     from the loops' backward.  Eager calls keep attnx's tiles, which need
-    no compiling."""
+    no compiling, and so do calls whose scores fit one block."""
     import jax
 
     if return_weights or jax.default_backend() in NATIVE_PLATFORMS or not isinstance(scale, float):
