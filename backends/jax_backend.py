@@ -362,11 +362,11 @@ def _flex_attention(
     from .jax_flash import attention, flex_loops
 
     blocks = FLASH_BLOCKS if block_mask is None else tuple(block_mask.block_size)
+    loops = flex_loops(query, m, score_mod, block_mask, blocks)
     groups = heads // kv_heads
     if groups > 1:  # attnx's layout of grouped heads: (B, H_kv, G) queries against (B, H_kv, 1) keys
         query = query.reshape(batch, kv_heads, groups, n, d_k)
         key, value = (a.reshape(batch, kv_heads, 1, m, a.shape[-1]) for a in (key, value))
-    loops = flex_loops(query.reshape(batch, heads, n, d_k), m, score_mod, block_mask, blocks)
     output = attention(query, key, value, scale=scale, is_causal=False, blocks=blocks, groups=groups, flex=loops)
     return output.reshape(batch, heads, n, value.shape[-1])
 

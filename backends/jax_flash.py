@@ -83,7 +83,7 @@ def attention(
     if mask is not None and groups > 1:
         mask = mask.reshape(mask.shape[0] // groups if mask.shape[0] > 1 else 1, -1, *mask.shape[-2:])
     if flex is None:
-        output = _cached_attention(float(scale), bool(is_causal), block_q, block_k, groups > 1)(q, k, v, counts, mask)
+        output = _attention_of_sizes(float(scale), bool(is_causal), block_q, block_k, groups > 1)(q, k, v, counts, mask)
     else:  # its mods are new functions at each call: built anew, for the trace they are part of
         output = _attention(float(scale), bool(is_causal), block_q, block_k, groups > 1, flex)(
             q, k, v, counts, mask, *flex.tables
@@ -153,18 +153,12 @@ def _visits(visited: Any) -> tuple[Any, Any]:
 
 
 def _indices(jnp: Any, batch: int, heads: int, r0: Any, rows: int, c0: Any, keys: int) -> tuple[Any, Any, Any, Any]:
-    """The mods' index arrays of a tile (as :func:`attnx.flex.index_arrays`),
-    from offsets that may be traced."""
-    return (
-        jnp.arange(batch).reshape(-1, 1, 1, 1),
-        jnp.arange(heads).reshape(1, -1, 1, 1),
-        (r0 + jnp.arange(rows)).reshape(1, 1, -1, 1),
-        (c0 + jnp.arange(keys)).reshape(1, 1, 1, -1),
-    )
+    """The mods' index arrays of a tile, :func:`attnx.flex.index_arrays`'
+    moved to the tile's first query ``r0`` and key ``c0``, which may be traced."""
+    from attnx.flex import index_arrays
 
-
-def _cached_attention(scale: float, is_causal: bool, block_q: int, block_k: int, grouped: bool) -> Any:
-    return _attention_of_sizes(scale, is_causal, block_q, block_k, grouped)
+    b, h, q_idx, kv_idx = index_arrays(jnp, (0, batch), heads, (0, rows), (0, keys), None)
+    return b, h, q_idx + r0, kv_idx + c0
 
 
 @functools.lru_cache(maxsize=64)
