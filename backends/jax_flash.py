@@ -153,12 +153,18 @@ def _visits(visited: Any) -> tuple[Any, Any]:
 
 
 def _indices(jnp: Any, batch: int, heads: int, r0: Any, rows: int, c0: Any, keys: int) -> tuple[Any, Any, Any, Any]:
-    """The mods' index arrays of a tile, :func:`attnx.flex.index_arrays`'
-    moved to the tile's first query ``r0`` and key ``c0``, which may be traced."""
-    from attnx.flex import index_arrays
-
-    b, h, q_idx, kv_idx = index_arrays(jnp, (0, batch), heads, (0, rows), (0, keys), None)
-    return b, h, q_idx + r0, kv_idx + c0
+    """The mods' index arrays of a tile, laid out as ``flex_attention``
+    documents them for a mod (``b (B, 1, 1, 1)``, ``h (1, H, 1, 1)``,
+    ``q_idx (1, 1, rows, 1)``, ``kv_idx (1, 1, 1, keys)``), from the tile's
+    first query ``r0`` and key ``c0``, which may be traced.  Written here:
+    attnx's own helper is not public API, which backends keep to
+    (tests/test_layout.py)."""
+    return (
+        jnp.arange(batch).reshape(-1, 1, 1, 1),
+        jnp.arange(heads).reshape(1, -1, 1, 1),
+        (r0 + jnp.arange(rows)).reshape(1, 1, -1, 1),
+        (c0 + jnp.arange(keys)).reshape(1, 1, 1, -1),
+    )
 
 
 @functools.lru_cache(maxsize=64)
