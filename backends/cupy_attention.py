@@ -67,6 +67,9 @@ CAUSAL_BLOCKS = ((2**29, 4), (2**27, 2))
 #: 256, 0.62-0.64 with 128 or 1,024.
 SCORES_PER_THREAD = 8
 MAX_THREADS = 512
+#: The inputs' dtypes the native takes: half precision that cuDNN does not
+#: take is computed in float32 (attnx's rule), as the generic algorithm does.
+DTYPES = ("float32", "float64", "float16", "bfloat16")
 #: Where the fused kernel (:mod:`cupy_flash`) takes a call without a mask
 #: (:func:`prefers_fused`).  On an H200, float32, d = 64, its time over
 #: attend's blocks' (docs/archive/bench-sessions.md, eighth GPU run): up to 2**16 scores
@@ -443,19 +446,22 @@ def scaled_dot_product_attention(
     n, m = query.shape[-2], key.shape[-2]
     if (
         return_weights
-        or query.dtype.name not in ("float32", "float64", "float16")
+        or query.dtype.name not in DTYPES
         or 0 in (n, m, query.shape[-1], value.shape[-1], math.prod(batch_shape))
-        # Grouped heads that did not fold into rows: these kernels read one key slice
-        # per query slice, so they would copy each key for each query head of its
-        # group; attnx's generic algorithm broadcasts them in CuPy's matmul instead.
-        or natives.key_groups(query.shape, key.shape, value.shape) > 1
     ):
         return NotImplemented
-    if mask is None and key_lengths is None and chunk_size is None:
-        cudnn_call = _cudnn_call(query, value, m, is_causal, scale, batch_shape)
-        if cudnn_call is not None:  # half precision on the tensor cores
+    if mask is None and chunk_size is None:
+        route = _cudnn_route(
+            xp, query, key, value, key_lengths, is_causal, scale, batch_shape, device_index=query.device.id
+        )
+        if route is not None:  # half precision on the tensor cores
             with query.device:
-                return _attend_cudnn(xp, cudnn_call, query, key, value, batch_shape)
+                return _attend_cudnn(xp, *route, query, key, value, batch_shape)
+    # Grouped heads that did not fold into rows: these kernels read one key slice
+    # per query slice, so they would copy each key for each query head of its
+    # group; attnx's generic algorithm broadcasts them in CuPy's matmul instead.
+    if natives.key_groups(query.shape, key.shape, value.shape) > 1:
+        return NotImplemented
     dtype, compute = query.dtype, blocks.state_dtype(xp, query.dtype)  # attnx's rule: half precision in float32
     if compute != dtype:
         query, key, value = (xp.astype(a, compute) for a in (query, key, value))
@@ -498,30 +504,125 @@ def scaled_dot_product_attention(
     return output if output.dtype == dtype else xp.astype(output, dtype)
 
 
-def _cudnn_call(query: Any, value: Any, m: int, is_causal: bool, scale: Any, batch_shape: tuple[int, ...]) -> Any:
-    """cuDNN's call for these arrays (:mod:`cupy_cudnn`), or None where it
-    doesn't take them."""
-    return cupy_cudnn.plan(
+def _cudnn_route(
+    xp: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: Any,
+    batch_shape: tuple[int, ...],
+    *,
+    device_index: int,
+    training: bool = False,
+) -> tuple[Any, Any] | None:
+    """``(call, lengths)`` where cuDNN takes this call without a ``mask`` or
+    ``chunk_size`` (:mod:`cupy_cudnn`) on the GPU ``device_index``, else
+    None.  ``lengths``: each key slice's keys ``(slices,)``, where
+    ``key_lengths`` are one number a slice (not one a query); else None.
+    Shapes decide, never values."""
+    n, m = query.shape[-2], key.shape[-2]
+    groups = natives.key_groups(query.shape, key.shape, value.shape)
+    if n == 1:  # one query, aligned to the last key: the causal rule keeps every key
+        is_causal = False
+    counts = None
+    if key_lengths is not None:
+        counts = natives.key_counts(xp, key_lengths, False, batch_shape, n, m, device=query.device)
+        if groups > 1 or (n > 1 and counts.shape[-1] != 1):  # lengths that differ within a key slice
+            return None
+    call = cupy_cudnn.plan(
         query.dtype.name,
-        slices=math.prod(batch_shape),
-        n=query.shape[-2],
+        slices=math.prod(batch_shape) // groups,
+        groups=groups,
+        n=n,
         m=m,
         d_k=query.shape[-1],
         d_v=value.shape[-1],
         is_causal=is_causal,
+        lengths=counts is not None,
         scale=scale,
-        device=query.device.id,
+        device=device_index,
+        training=training,
     )
+    if call is None:
+        return None
+    if counts is not None:
+        counts = xp.reshape(xp.broadcast_to(counts[..., :1], (*batch_shape, 1)), (-1,))
+    return call, counts
 
 
-def _attend_cudnn(xp: Any, call: Any, query: Any, key: Any, value: Any, batch_shape: tuple[int, ...]) -> Any:
-    """cuDNN's attention of arrays whose leading shapes broadcast to
-    ``batch_shape`` (those that don't fill it are laid out for it first)."""
-    q, k, v = (
-        array if array.shape[:-2] == batch_shape else _as_slices(xp, array, batch_shape)
-        for array in (query, key, value)
+def _cudnn_layout(xp: Any, call: Any, query: Any, key: Any, value: Any, batch_shape: tuple[int, ...]) -> list[Any]:
+    """The arrays in the leading shapes ``call`` reads: queries in
+    ``batch_shape``, keys and values in it too, or, with grouped heads, with
+    1 in place of its last axis (broadcast to them where they were smaller:
+    a copy)."""
+    key_shape = (*batch_shape[:-1], 1) if call.groups > 1 else batch_shape
+    return [
+        array if tuple(array.shape[:-2]) == shape else xp.broadcast_to(array, (*shape, *array.shape[-2:]))
+        for array, shape in ((query, batch_shape), (key, key_shape), (value, key_shape))
+    ]
+
+
+def _attend_cudnn(
+    xp: Any, call: Any, lengths: Any, query: Any, key: Any, value: Any, batch_shape: tuple[int, ...]
+) -> Any:
+    """cuDNN's attention (:func:`_cudnn_route`'s call), ``(*batch_shape, n,
+    d_v)``.  Rows of a slice of no keys get zeros, as attnx gives: cuDNN
+    leaves them undefined."""
+    output, _ = cupy_cudnn.attend(call, *_cudnn_layout(xp, call, query, key, value, batch_shape), lengths)
+    if lengths is None:
+        return output
+    has_keys = xp.reshape(lengths > 0, (*batch_shape, 1, 1))
+    return xp.where(has_keys, output, xp.zeros((), dtype=output.dtype))
+
+
+def scaled_dot_product_attention_vjp(
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    mask: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: Any,
+    chunks: tuple[int, int] | None,
+    batch_shape: tuple[int, ...],
+    chunk_size: Any,
+    backend: Any,
+) -> Any:
+    """attnx's native entry point for ``vjp(scaled_dot_product_attention)``
+    (see :meth:`attnx.Backend.implementations`): half precision through
+    cuDNN's forward, which keeps each row's statistics, and cuDNN's backward
+    (:mod:`cupy_cudnn`), ``(output, backward)``; ``NotImplemented`` for
+    every call cuDNN does not take (attnx's generic backward, in tiles of
+    the GPU's blocks)."""
+    import array_api_compat.cupy as xp
+
+    if (
+        mask is not None
+        or key_lengths is not None
+        or chunk_size is not None
+        or query.dtype.name not in cupy_cudnn.IO_TYPES
+        or 0 in (query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1], math.prod(batch_shape))
+    ):
+        return NotImplemented
+    route = _cudnn_route(
+        xp, query, key, value, None, is_causal, scale, batch_shape, device_index=query.device.id, training=True
     )
-    return cupy_cudnn.attend(call, q, k, v, (*batch_shape, query.shape[-2], value.shape[-1]))
+    if route is None:
+        return NotImplemented
+    call = route[0]
+    with query.device:
+        laid = _cudnn_layout(xp, call, query, key, value, batch_shape)
+        output, stats = cupy_cudnn.attend(call, *laid)
+
+    def backward(cotangent: Any) -> tuple[Any, Any, Any, Any]:
+        with query.device:
+            d_query, d_key, d_value = cupy_cudnn.attend_backward(call, *laid, output, cotangent, stats)
+        return d_query, d_key, d_value, None  # the route takes a float scale only: it has no cotangent
+
+    return output, backward
 
 
 def call_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any] | None:
@@ -540,20 +641,22 @@ def call_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any] 
         or arguments["chunk_size"] is not None
         or arguments["return_weights"]
         or type(scale) is not float
-        or query.dtype.name not in ("float32", "float64", "float16")
+        or query.dtype.name not in DTYPES
         or 0 in (query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1], math.prod(batch_shape))
     ):
         return None  # the native declines these, or they differ from call to call
     import array_api_compat.cupy as xp
 
-    cudnn_call = _cudnn_call(query, value, key.shape[-2], is_causal, scale, batch_shape)
-    if cudnn_call is not None:
+    route = _cudnn_route(xp, query, key, value, None, is_causal, scale, batch_shape, device_index=query.device.id)
+    if route is not None:
 
         def cudnn_plan(query: Any, key: Any, value: Any) -> Any:
             with query.device:
-                return _attend_cudnn(xp, cudnn_call, query, key, value, batch_shape)
+                return _attend_cudnn(xp, *route, query, key, value, batch_shape)
 
         return cudnn_plan
+    if natives.key_groups(query.shape, key.shape, value.shape) > 1:
+        return None  # the native declines grouped heads outside cuDNN (see scaled_dot_product_attention)
     options = {name: value for name, value in arguments.items() if name not in ("query", "key", "value")}
 
     def native_plan(query: Any, key: Any, value: Any) -> Any:

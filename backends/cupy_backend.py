@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -13,7 +14,6 @@ from attnx.backend import GPU_BLOCK_BYTES
 class CuPyBackend(Backend):
     name = "cupy"
     array_module = "cupy"
-    float_dtypes = ("float32", "float64", "float16")
     block_bytes = GPU_BLOCK_BYTES  # a GPU's blocks: launches, not cache, set their size
 
     _natives: Mapping[str, Callable[..., Any]] | None = None
@@ -30,6 +30,11 @@ class CuPyBackend(Backend):
         except Exception as exc:  # CUDARuntimeError without a driver, ImportError without CUDA
             return f"no usable CUDA device: {exc}"
         return None if count > 0 else "no CUDA device found"
+
+    @property
+    def float_dtypes(self) -> tuple[str, ...]:  # type: ignore[override]
+        # bfloat16 where CuPy holds it: CuPy 14 and later, with ml_dtypes installed
+        return ("float32", "float64", "float16", *(("bfloat16",) if _has_bfloat16() else ()))
 
     def version(self) -> str:
         import cupy
@@ -72,8 +77,12 @@ class CuPyBackend(Backend):
 
             from . import cupy_attention
 
-            sdpa = partial(cupy_attention.scaled_dot_product_attention, backend=self)
-            self._natives = {"scaled_dot_product_attention": sdpa}
+            self._natives = {
+                "scaled_dot_product_attention": partial(cupy_attention.scaled_dot_product_attention, backend=self),
+                "vjp(scaled_dot_product_attention)": partial(
+                    cupy_attention.scaled_dot_product_attention_vjp, backend=self
+                ),
+            }
         return self._natives
 
     def specialize(self, operation: str, arguments: Mapping[str, Any]) -> Callable[..., Any] | None:
@@ -87,6 +96,17 @@ class CuPyBackend(Backend):
         import cupy
 
         cupy.cuda.Device(_device_index(device)).synchronize()
+
+
+@functools.cache
+def _has_bfloat16() -> bool:
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import array_api_compat.cupy as xp
+    except Exception:  # CuPy installed without its CUDA libraries
+        return False
+    return hasattr(xp, "bfloat16")
 
 
 def _device_index(device: Any) -> int:

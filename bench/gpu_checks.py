@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import sys
 from typing import Any
 
@@ -776,10 +775,126 @@ def without_cudnn() -> Any:
         attnx._registry._plans.clear()
 
 
+def half_dtype(name: str) -> Any:
+    """CuPy's dtype of that name: bfloat16 is ml_dtypes' (CuPy 14 and later)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    import cupy as cp
+
+    return getattr(cp, name)
+
+
+def cudnn_cases() -> dict[str, tuple[Any, ...]]:
+    """The cuDNN route's cases: ``name: (dtype, query, key, value, options)``,
+    in float32 (each check casts them), from issue 61's list: n != m, causal
+    both ways, d 128, grouped heads, key lengths (0 among them), and what the
+    route declines."""
+    import cupy as cp
+
+    gen = cp.random.default_rng(5)
+
+    def normal(*shape):
+        return gen.standard_normal(shape, dtype=cp.float32)
+
+    def lengths(*values):
+        return cp.asarray(values, dtype=cp.int64)
+
+    return {
+        "(2, 4, 300, 64) m 257": ("float16", normal(2, 4, 300, 64), normal(2, 4, 257, 64), normal(2, 4, 257, 64), {}),
+        "(2, 4, 300, 64) causal": ("float16", *(normal(2, 4, 300, 64) for _ in range(3)), {"is_causal": True}),
+        "bfloat16 causal": ("bfloat16", *(normal(2, 4, 300, 64) for _ in range(3)), {"is_causal": True}),
+        "causal n 100 < m 1000": (
+            "float16",
+            normal(2, 4, 100, 64),
+            normal(2, 4, 1000, 64),
+            normal(2, 4, 1000, 64),
+            {"is_causal": True},
+        ),
+        "causal n 1 < m 4096 (decoding)": (
+            "float16",
+            normal(4, 8, 1, 128),
+            normal(4, 8, 4096, 128),
+            normal(4, 8, 4096, 128),
+            {"is_causal": True},
+        ),
+        "decoding over caches, lengths 0, 1, 3000, 4096": (
+            "float16",
+            normal(4, 8, 1, 128),
+            normal(4, 8, 4096, 128),
+            normal(4, 8, 4096, 128),
+            {"is_causal": True, "key_lengths": lengths(0, 1, 3000, 4096), "causal_align": "key_lengths"},
+        ),
+        "padding, lengths per sequence (B,)": (
+            "bfloat16",
+            normal(3, 4, 200, 64),
+            normal(3, 4, 300, 64),
+            normal(3, 4, 300, 64),
+            {"key_lengths": lengths(300, 17, 0)},
+        ),
+        "grouped heads 8/2 (enable_gqa)": (
+            "float16",
+            normal(2, 8, 256, 64),
+            normal(2, 2, 256, 64),
+            normal(2, 2, 256, 64),
+            {"enable_gqa": True, "is_causal": True},
+        ),
+        "d 128, scale 0.3": ("float16", *(normal(1, 8, 512, 128) for _ in range(3)), {"scale": 0.3}),
+        "d_k 64, d_v 32": ("float16", normal(2, 4, 200, 64), normal(2, 4, 300, 64), normal(2, 4, 300, 32), {}),
+        "keys shared by heads": ("float16", normal(2, 4, 256, 64), normal(2, 1, 256, 64), normal(2, 1, 256, 64), {}),
+        "n 1, m 1": ("float16", normal(1, 1, 1, 64), normal(1, 1, 1, 64), normal(1, 1, 1, 64), {}),
+        "(16, 8, 1024, 64) causal": ("float16", *(normal(16, 8, 1024, 64) for _ in range(3)), {"is_causal": True}),
+        "(1, 8, 8192, 64)": ("float16", *(normal(1, 8, 8192, 64) for _ in range(3)), {}),
+        "causal n 1000 > m 257 (declined)": (
+            "float16",
+            normal(2, 4, 1000, 64),
+            normal(2, 4, 257, 64),
+            normal(2, 4, 257, 64),
+            {"is_causal": True},
+        ),
+        "causal with key lengths (declined)": (
+            "float16",
+            *(normal(2, 4, 100, 64) for _ in range(3)),
+            {"is_causal": True, "key_lengths": lengths(100, 50)},
+        ),
+        "d 40 (declined)": ("float16", *(normal(2, 4, 100, 40) for _ in range(3)), {}),
+    }
+
+
+def cudnn_taken(query: Any, key: Any, value: Any, options: dict[str, Any], training: bool = False) -> bool:
+    """Whether the cuDNN route takes this call (the layout attnx computes it in)."""
+    import array_api_compat.cupy as xp
+
+    from attnx.attention import validated_call
+    from attnx_backends import cupy_attention
+
+    defaults = {
+        "mask": None,
+        "key_lengths": None,
+        "is_causal": False,
+        "causal_align": "bottom_right",
+        "scale": None,
+        "enable_gqa": False,
+        "return_weights": False,
+        "dropout_p": 0.0,
+        "dropout_seed": None,
+        "backend": None,
+    }
+    call = validated_call("scaled_dot_product_attention", query, key, value, **{**defaults, **options})
+    query, key, value, mask, key_lengths, is_causal, batch_shape, _ = call.computed
+    if mask is not None:
+        return False
+    route = cupy_attention._cudnn_route(
+        xp, query, key, value, key_lengths, is_causal, call.scale, batch_shape, device_index=0, training=training
+    )
+    return route is not None
+
+
 def cudnn_outputs() -> None:
-    """float16 through cuDNN's SDPA (``attnx_backends.cupy_cudnn``): each
-    call's output against the same inputs in float32 through attnx's own
-    kernels, and whether the route took it."""
+    """float16 and bfloat16 through cuDNN's SDPA (``attnx_backends.cupy_cudnn``):
+    each call's output against the same inputs in float32 through attnx's
+    own kernels, and whether the route took it."""
     import cupy as cp
 
     from attnx_backends import cupy_cudnn
@@ -792,58 +907,13 @@ def cudnn_outputs() -> None:
             json.dumps({"row": "cudnn versions", "frontend": cudnn.__version__, "backend": cudnn.backend_version()}),
             flush=True,
         )
-    gen = cp.random.default_rng(5)
+    from attnx._registry import registry
 
-    def normal(*shape):
-        return gen.standard_normal(shape, dtype=cp.float32).astype(cp.float16)
-
-    cases = {
-        "(2, 4, 300, 64) m 257": (normal(2, 4, 300, 64), normal(2, 4, 257, 64), normal(2, 4, 257, 64), {}),
-        "(2, 4, 300, 64) causal": (*(normal(2, 4, 300, 64) for _ in range(3)), {"is_causal": True}),
-        "causal n 100 < m 1000": (
-            normal(2, 4, 100, 64),
-            normal(2, 4, 1000, 64),
-            normal(2, 4, 1000, 64),
-            {"is_causal": True},
-        ),
-        "causal n 1 < m 4096 (decoding)": (
-            normal(4, 8, 1, 128),
-            normal(4, 8, 4096, 128),
-            normal(4, 8, 4096, 128),
-            {"is_causal": True},
-        ),
-        "d 128, scale 0.3": (*(normal(1, 8, 512, 128) for _ in range(3)), {"scale": 0.3}),
-        "d_k 64, d_v 32": (normal(2, 4, 200, 64), normal(2, 4, 300, 64), normal(2, 4, 300, 32), {}),
-        "keys shared by heads": (normal(2, 4, 256, 64), normal(2, 1, 256, 64), normal(2, 1, 256, 64), {}),
-        "n 1, m 1": (normal(1, 1, 1, 64), normal(1, 1, 1, 64), normal(1, 1, 1, 64), {}),
-        "(16, 8, 1024, 64) causal": (*(normal(16, 8, 1024, 64) for _ in range(3)), {"is_causal": True}),
-        "(1, 8, 8192, 64)": (*(normal(1, 8, 8192, 64) for _ in range(3)), {}),
-        "causal n 1000 > m 257 (declined)": (
-            normal(2, 4, 1000, 64),
-            normal(2, 4, 257, 64),
-            normal(2, 4, 257, 64),
-            {"is_causal": True},
-        ),
-        "d 40 (declined)": (*(normal(2, 4, 100, 40) for _ in range(3)), {}),
-    }
-    for name, (q, k, v, options) in cases.items():
+    print(json.dumps({"row": "cupy float dtypes", "declared": registry.get("cupy").float_dtypes}), flush=True)
+    for name, (dtype, q, k, v, options) in cudnn_cases().items():
         try:
-            batch_shape = tuple(max(a, b) for a, b in zip(q.shape[:-2], k.shape[:-2]))
-            scale = options.get("scale", float(q.shape[-1]) ** -0.5)
-            taken = (
-                cupy_cudnn.plan(
-                    "float16",
-                    slices=math.prod(batch_shape),
-                    n=q.shape[-2],
-                    m=k.shape[-2],
-                    d_k=q.shape[-1],
-                    d_v=v.shape[-1],
-                    is_causal=options.get("is_causal", False),
-                    scale=scale,
-                    device=0,
-                )
-                is not None
-            )
+            q, k, v = (a.astype(half_dtype(dtype)) for a in (q, k, v))
+            taken = cudnn_taken(q, k, v, options)
             got = attnx.scaled_dot_product_attention(q, k, v, **options)
             again = attnx.scaled_dot_product_attention(q, k, v, **options)  # a plan's, where attnx makes one
             want = attnx.scaled_dot_product_attention(*(a.astype(cp.float32) for a in (q, k, v)), **options)
@@ -854,12 +924,93 @@ def cudnn_outputs() -> None:
                 "dtype": str(got.dtype),
                 "shape": list(got.shape),
                 "error_of_max": f"{error:.2e}",
-                "nan": bool(cp.isnan(got).any()),
+                "nan": bool(cp.isnan(got.astype(cp.float32)).any()),
                 "second_call_equal": bool(cp.array_equal(got, again)),
             }
         except Exception as exc:
             line = {"row": f"cudnn outputs {name}", "error": repr(exc)[:500]}
         print(json.dumps(line), flush=True)
+
+
+def cudnn_vjp() -> None:
+    """``attnx.vjp`` of half-precision SDPA through cuDNN's backward: the
+    gradients against the same call's in float32 (attnx's generic backward),
+    then time and peak memory against PyTorch's autograd of its own SDPA in
+    float16 on the same GPU."""
+    import cupy as cp
+    import torch
+    from cupy.cuda import memory_hook
+
+    from attnx.benchmark import PoolPeak
+
+    for name, (dtype, q, k, v, options) in cudnn_cases().items():
+        try:
+            g = cp.random.default_rng(9).standard_normal((*q.shape[:-1], v.shape[-1]), dtype=cp.float32)
+            half = [a.astype(half_dtype(dtype)) for a in (q, k, v, g)]
+            taken = cudnn_taken(*half[:3], options, training=True)
+            _, backward = attnx.vjp(attnx.scaled_dot_product_attention, *half[:3], **options)
+            grads = backward(half[3])
+            _, backward32 = attnx.vjp(
+                attnx.scaled_dot_product_attention, *(a.astype(cp.float32) for a in half[:3]), **options
+            )
+            want = backward32(half[3].astype(cp.float32))
+            errors = {
+                key: f"{float(cp.max(cp.abs(grads[key].astype(cp.float32) - want[key]))) / max(float(cp.max(cp.abs(want[key]))), 1e-30):.2e}"
+                for key in ("query", "key", "value")
+            }
+            line = {
+                "row": f"cudnn vjp {name}",
+                "taken": taken,
+                "dtypes": sorted({str(x.dtype) for x in grads.values()}),
+                "error_of_max": errors,
+                "nan": any(bool(cp.isnan(x.astype(cp.float32)).any()) for x in grads.values()),
+            }
+        except Exception as exc:
+            line = {"row": f"cudnn vjp {name}", "error": repr(exc)[:500]}
+        print(json.dumps(line), flush=True)
+
+    for batch, size, d in ((1, 2048, 64), (16, 1024, 64), (1, 8192, 64), (1, 8192, 128)):
+        for causal in (False, True):
+            shape = (batch, 8, size, d)
+            label = f"({batch}, 8, {size}, {d}) causal={causal} float16"
+            q, k, v, g = (
+                cp.random.default_rng(i).standard_normal(shape, dtype=cp.float32).astype(cp.float16) for i in range(4)
+            )
+
+            def step(q=q, k=k, v=v, g=g, causal=causal):
+                _, backward = attnx.vjp(attnx.scaled_dot_product_attention, q, k, v, is_causal=causal)
+                return backward(g)
+
+            hook = type("PoolPeakHook", (PoolPeak, memory_hook.MemoryHook), {})()
+            cp.cuda.Device().synchronize()
+            with hook:
+                step()
+                cp.cuda.Device().synchronize()
+            ms = synchronized_ms(step, cp.cuda.Device().synchronize, repeat=10)
+            tq, tk, tv = (torch.randn(shape, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+            tg = torch.randn(shape, device="cuda", dtype=torch.float16)
+
+            def torch_step(tq=tq, tk=tk, tv=tv, tg=tg, causal=causal):
+                out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                return torch.autograd.grad(out, (tq, tk, tv), tg)
+
+            torch_step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            torch_step()
+            torch.cuda.synchronize()
+            torch_peak = torch.cuda.max_memory_allocated() - base
+            torch_ms = synchronized_ms(torch_step, torch.cuda.synchronize, repeat=10)
+            line = {
+                "row": f"cudnn vjp time {label}",
+                "cupy_ms": ms,
+                "torch_ms": torch_ms,
+                "ratio": round(ms / torch_ms, 2),
+                "cupy_peak_mib": round(hook.peak / MiB, 1),
+                "torch_peak_mib": round(torch_peak / MiB, 1),
+            }
+            print(json.dumps(line), flush=True)
 
 
 def cudnn_times() -> None:
@@ -1023,6 +1174,7 @@ if __name__ == "__main__":
         "flash_queries": flash_queries,
         "cudnn_outputs": cudnn_outputs,
         "cudnn_times": cudnn_times,
+        "cudnn_vjp": cudnn_vjp,
         "launch_cost": launch_cost,
         "vjp": vjp,
     }

@@ -445,20 +445,139 @@ def test_cupy_refuses_what_is_not_a_cuda_device(device):
         cupy_backend._device_index(device)
 
 
+#: A call the cuDNN route takes (see test_the_cudnn_route_takes_half_precision).
+CUDNN_CALL = {"slices": 4, "n": 128, "m": 256, "d_k": 64, "d_v": 64, "is_causal": False, "scale": 0.125, "device": 0}
+
+
+@pytest.fixture
+def cudnn_here(monkeypatch):
+    """cuDNN's route as if the frontend were here and built every graph:
+    what is left is its rules, which these tests check (the graphs
+    themselves need a GPU: ``bench/gpu_checks.py cudnn_outputs cudnn_vjp``)."""
+    monkeypatch.setattr(cupy_cudnn, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(cupy_cudnn, "_forward", lambda call: "forward graph")
+    monkeypatch.setattr(cupy_cudnn, "_backward", lambda call: "backward graph")
+
+
+@pytest.mark.parametrize(
+    ("dtype_name", "sizes"),
+    [
+        ("float16", {}),
+        ("bfloat16", {"is_causal": True}),
+        ("float16", {"groups": 4, "d_k": 128, "d_v": 32}),
+        ("bfloat16", {"lengths": True}),
+        ("float16", {"training": True, "is_causal": True, "groups": 2}),
+    ],
+)
+def test_the_cudnn_route_takes_half_precision(cudnn_here, dtype_name, sizes):
+    call = cupy_cudnn.plan(dtype_name, **{**CUDNN_CALL, **sizes})
+    assert call == cupy_cudnn.CudnnCall(
+        dtype_name, **{"groups": 1, "lengths": False, "training": False, **CUDNN_CALL, **sizes}
+    )
+
+
 @pytest.mark.parametrize(
     ("dtype_name", "sizes", "why"),
     [
         ("float32", {}, "float32 is attnx's own kernels' (cuDNN's would be TF32)"),
         ("float64", {}, "cuDNN has no float64 attention"),
-        ("float16", {"d_k": 40}, "features cuDNN does not take"),
+        ("float16", {"d_k": 36}, "features cuDNN does not take: not a multiple of 8"),
         ("float16", {"d_v": 136}, "features past 128"),
         ("float16", {"is_causal": True, "n": 300, "m": 200}, "causal queries without keys must give zeros"),
         ("float16", {"scale": object()}, "a scale that is an array"),
+        ("float16", {"is_causal": True, "lengths": True}, "cuDNN aligns the diagonal with each length, attnx with m"),
+        ("bfloat16", {"lengths": True, "training": True}, "the backward of slices without keys"),
     ],
 )
-def test_the_cudnn_route_declines_what_it_cannot_do_exactly(dtype_name, sizes, why):
-    call = {"slices": 4, "n": 128, "m": 256, "d_k": 64, "d_v": 64, "is_causal": False, "scale": 0.125, "device": 0}
-    assert cupy_cudnn.plan(dtype_name, **{**call, **sizes}) is None, why
+def test_the_cudnn_route_declines_what_it_cannot_do_exactly(cudnn_here, dtype_name, sizes, why):
+    assert cupy_cudnn.plan(dtype_name, **{**CUDNN_CALL, **sizes}) is None, why
+
+
+def cudnn_route(query, key, value, **options):
+    """The route's ``(call, lengths)`` for a call of NumPy arrays standing in
+    for CuPy's, in the layout attnx computes it (grouped heads, lengths per
+    query from ``causal_align``), or None."""
+    from attnx.attention import validated_call
+
+    arguments = {
+        "mask": None,
+        "key_lengths": None,
+        "is_causal": False,
+        "causal_align": "bottom_right",
+        "scale": None,
+        "enable_gqa": False,
+        "return_weights": False,
+        "dropout_p": 0.0,
+        "dropout_seed": None,
+        "backend": "numpy",
+        **options,
+    }
+    call = validated_call("scaled_dot_product_attention", query, key, value, **arguments)
+    query, key, value, _, key_lengths, is_causal, batch_shape, _ = call.computed
+    return cupy_attention._cudnn_route(
+        xp, query, key, value, key_lengths, is_causal, call.scale, batch_shape, device_index=0
+    )
+
+
+def _half(*shape):
+    return np.zeros(shape, dtype=np.float16)
+
+
+def test_the_cudnn_route_pads_each_slice_to_its_key_lengths(cudnn_here):
+    call, lengths = cudnn_route(
+        _half(3, 4, 20, 64), _half(3, 4, 30, 64), _half(3, 4, 30, 64), key_lengths=np.array([30, 17, 0])
+    )
+    assert (call.slices, call.groups, call.lengths, call.is_causal) == (12, 1, True, False)
+    np.testing.assert_array_equal(lengths, np.repeat([30, 17, 0], 4))
+
+
+@pytest.mark.parametrize("causal_align", ["key_lengths", "bottom_right"])
+def test_the_cudnn_route_decodes_over_caches_of_their_own_lengths(cudnn_here, causal_align):
+    """One query a sequence, aligned to its own length or to the last key:
+    cuDNN's padding mask, the causal rule keeping every key up to the length."""
+    options = {"is_causal": True, "causal_align": causal_align, "key_lengths": np.array([0, 1, 30])}
+    call, lengths = cudnn_route(_half(3, 2, 1, 64), _half(3, 2, 30, 64), _half(3, 2, 30, 64), **options)
+    assert (call.n, call.lengths, call.is_causal) == (1, True, False)
+    np.testing.assert_array_equal(lengths, [0, 0, 1, 1, 30, 30])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"is_causal": True, "causal_align": "key_lengths", "key_lengths": np.array([5, 30, 30])},
+        {"is_causal": True, "key_lengths": np.array([5, 30, 30])},
+        {"key_lengths": np.array([[5] * 4, [30] * 4, [7, 8, 9, 10]])[:, None, :]},
+    ],
+    ids=["aligned to each length", "causal with lengths", "a length a query"],
+)
+def test_the_cudnn_route_declines_lengths_that_differ_within_a_slice(cudnn_here, options):
+    assert cudnn_route(_half(3, 2, 4, 64), _half(3, 2, 30, 64), _half(3, 2, 30, 64), **options) is None
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_the_cudnn_route_reads_each_key_slice_once_for_its_group(cudnn_here, is_causal):
+    call, lengths = cudnn_route(
+        _half(2, 8, 16, 64), _half(2, 2, 16, 64), _half(2, 2, 16, 64), enable_gqa=True, is_causal=is_causal
+    )
+    # Heads that fold into rows (no causal rule to tell them apart) are one slice's rows.
+    assert (call.slices, call.groups, call.n) == ((4, 4, 16) if is_causal else (4, 1, 64))
+    assert lengths is None
+
+
+def test_the_cudnn_route_gives_zeros_to_slices_without_keys(cudnn_here, monkeypatch):
+    """cuDNN leaves a slice of length 0 undefined; attnx gives it zeros."""
+    shapes = []
+
+    def attend(call, query, key, value, lengths):
+        shapes.append((query.shape, key.shape, value.shape))
+        return np.full((*query.shape[:-1], value.shape[-1]), np.nan, dtype=query.dtype), None
+
+    monkeypatch.setattr(cupy_cudnn, "attend", attend)
+    q, k, v = _half(3, 4, 5, 64), _half(1, 4, 30, 64), _half(1, 4, 30, 32)
+    call, lengths = cudnn_route(q, k, v, key_lengths=np.array([30, 0, 2]))
+    output = cupy_attention._attend_cudnn(xp, call, lengths, q, k, v, (3, 4))
+    assert shapes == [((3, 4, 5, 64), (3, 4, 30, 64), (3, 4, 30, 32))]  # lengths a slice: keys laid out for every slice
+    assert np.all(output[1] == 0) and np.all(np.isnan(output[[0, 2]]))
 
 
 def test_the_cudnn_route_says_why_it_cannot_run_without_cudnn():
