@@ -48,7 +48,8 @@ def gradients(layer, *arguments, **call):
             )
             return ops.sum(ops.sin(out))
 
-        return [np.asarray(g) for g in jax.grad(loss)([v.value for v in layer.trainable_variables])]
+        # jitted, as Keras trains: one program to compile, not each operation of the tape
+        return [np.asarray(g) for g in jax.jit(jax.grad(loss))([v.value for v in layer.trainable_variables])]
     for variable in layer.trainable_variables:
         variable.value.grad = None
     ops.sum(ops.sin(layer(*arguments, **call))).backward()

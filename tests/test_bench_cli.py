@@ -170,6 +170,7 @@ def test_grid_without_its_baseline_is_one_error_line():
     assert result.stderr.strip().count("\n") == 0 and "torch-sdpa" in result.stderr
 
 
+@pytest.mark.slow  # `tox -e slow`
 def test_dask_on_local_clusters_reports_the_speed_up(tmp_path):
     out = tmp_path / "report"
     command = [sys.executable, "-m", "attnx.cli", "bench", "--backends", "dask", "--dask-workers", "1", "2"]

@@ -30,6 +30,7 @@ def _module(script):
     return module
 
 
+@pytest.mark.slow  # `tox -e slow`
 def test_seq2seq_learns_reversal_with_its_weight_on_the_reversed_position(tmp_path):
     out = tmp_path / "plot.png"
     result = _run("bahdanau_seq2seq.py", "--out", str(out))  # the default steps, as the docs show them
