@@ -257,19 +257,19 @@ def validated_call(
     key: Any,
     value: Any,
     *,
-    mask: Any,
-    key_lengths: Any,
-    is_causal: Any,
-    causal_align: str,
-    scale: Any,
-    enable_gqa: Any,
-    return_weights: Any,
-    dropout_p: Any,
-    dropout_seed: Any,
-    backend: str | None,
+    mask: Any = None,
+    key_lengths: Any = None,
+    is_causal: Any = False,
+    causal_align: str = "bottom_right",
+    scale: Any = None,
+    enable_gqa: Any = False,
+    return_weights: Any = False,
+    dropout_p: Any = 0.0,
+    dropout_seed: Any = None,
+    backend: str | None = None,
 ) -> ValidatedCall:
     """Every check of a call of :func:`scaled_dot_product_attention`, before
-    any work; the errors name ``operation``."""
+    any work; the errors name ``operation``.  The defaults are its own."""
     chosen, reason = _dispatch.resolve(
         operation,
         backend,

@@ -869,19 +869,7 @@ def cudnn_taken(query: Any, key: Any, value: Any, options: dict[str, Any], train
     from attnx.attention import validated_call
     from attnx_backends import cupy_attention
 
-    defaults = {
-        "mask": None,
-        "key_lengths": None,
-        "is_causal": False,
-        "causal_align": "bottom_right",
-        "scale": None,
-        "enable_gqa": False,
-        "return_weights": False,
-        "dropout_p": 0.0,
-        "dropout_seed": None,
-        "backend": None,
-    }
-    call = validated_call("scaled_dot_product_attention", query, key, value, **{**defaults, **options})
+    call = validated_call("scaled_dot_product_attention", query, key, value, **options)
     query, key, value, mask, key_lengths, is_causal, batch_shape, _ = call.computed
     if mask is not None:
         return False
@@ -938,10 +926,6 @@ def cudnn_vjp() -> None:
     then time and peak memory against PyTorch's autograd of its own SDPA in
     float16 on the same GPU."""
     import cupy as cp
-    import torch
-    from cupy.cuda import memory_hook
-
-    from attnx.benchmark import PoolPeak
 
     for name, (dtype, q, k, v, options) in cudnn_cases().items():
         try:
@@ -971,46 +955,58 @@ def cudnn_vjp() -> None:
 
     for batch, size, d in ((1, 2048, 64), (16, 1024, 64), (1, 8192, 64), (1, 8192, 128)):
         for causal in (False, True):
-            shape = (batch, 8, size, d)
             label = f"({batch}, 8, {size}, {d}) causal={causal} float16"
-            q, k, v, g = (
-                cp.random.default_rng(i).standard_normal(shape, dtype=cp.float32).astype(cp.float16) for i in range(4)
-            )
+            vjp_against_torch(f"cudnn vjp time {label}", (batch, 8, size, d), causal, "float16", repeat=10)
 
-            def step(q=q, k=k, v=v, g=g, causal=causal):
-                _, backward = attnx.vjp(attnx.scaled_dot_product_attention, q, k, v, is_causal=causal)
-                return backward(g)
 
-            hook = type("PoolPeakHook", (PoolPeak, memory_hook.MemoryHook), {})()
-            cp.cuda.Device().synchronize()
-            with hook:
-                step()
-                cp.cuda.Device().synchronize()
-            ms = synchronized_ms(step, cp.cuda.Device().synchronize, repeat=10)
-            tq, tk, tv = (torch.randn(shape, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
-            tg = torch.randn(shape, device="cuda", dtype=torch.float16)
+def vjp_against_torch(row: str, shape: tuple[int, ...], causal: bool, dtype: str, repeat: int) -> None:
+    """``attnx.vjp`` of SDPA on CuPy, forward and backward, against PyTorch's
+    autograd of its own SDPA on the same GPU, inputs of ``shape`` in
+    ``dtype``: each one's time (the median of ``repeat`` steps) and peak
+    memory, printed as ``row``."""
+    import cupy as cp
+    import torch
+    from cupy.cuda import memory_hook
 
-            def torch_step(tq=tq, tk=tk, tv=tv, tg=tg, causal=causal):
-                out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-                return torch.autograd.grad(out, (tq, tk, tv), tg)
+    from attnx.benchmark import PoolPeak
 
-            torch_step()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            torch_step()
-            torch.cuda.synchronize()
-            torch_peak = torch.cuda.max_memory_allocated() - base
-            torch_ms = synchronized_ms(torch_step, torch.cuda.synchronize, repeat=10)
-            line = {
-                "row": f"cudnn vjp time {label}",
-                "cupy_ms": ms,
-                "torch_ms": torch_ms,
-                "ratio": round(ms / torch_ms, 2),
-                "cupy_peak_mib": round(hook.peak / MiB, 1),
-                "torch_peak_mib": round(torch_peak / MiB, 1),
-            }
-            print(json.dumps(line), flush=True)
+    q, k, v, g = (cp.random.default_rng(i).standard_normal(shape, dtype=cp.float32).astype(dtype) for i in range(4))
+
+    def step():
+        _, backward = attnx.vjp(attnx.scaled_dot_product_attention, q, k, v, is_causal=causal)
+        return backward(g)
+
+    hook = type("PoolPeakHook", (PoolPeak, memory_hook.MemoryHook), {})()
+    cp.cuda.Device().synchronize()
+    with hook:
+        step()
+        cp.cuda.Device().synchronize()
+    ms = synchronized_ms(step, cp.cuda.Device().synchronize, repeat=repeat)
+    torch_dtype = getattr(torch, dtype)
+    tq, tk, tv = (torch.randn(shape, device="cuda", dtype=torch_dtype, requires_grad=True) for _ in range(3))
+    tg = torch.randn(shape, device="cuda", dtype=torch_dtype)
+
+    def torch_step():
+        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+        return torch.autograd.grad(out, (tq, tk, tv), tg)
+
+    torch_step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch_step()
+    torch.cuda.synchronize()
+    torch_peak = torch.cuda.max_memory_allocated() - base
+    torch_ms = synchronized_ms(torch_step, torch.cuda.synchronize, repeat=repeat)
+    line = {
+        "row": row,
+        "cupy_ms": ms,
+        "torch_ms": torch_ms,
+        "ratio": round(ms / torch_ms, 2),
+        "cupy_peak_mib": round(hook.peak / MiB, 1),
+        "torch_peak_mib": round(torch_peak / MiB, 1),
+    }
+    print(json.dumps(line), flush=True)
 
 
 def cudnn_times() -> None:
@@ -1071,9 +1067,7 @@ def vjp() -> None:
     autograd of its own SDPA on the same GPU."""
     import cupy as cp
     import numpy as np
-    import torch
 
-    from attnx.benchmark import PoolPeak
     from attnx_conformance import reference
 
     rng = np.random.default_rng(2)
@@ -1108,52 +1102,10 @@ def vjp() -> None:
         except Exception as exc:
             print(json.dumps({"row": f"cupy vjp float64 {name}", "error": repr(exc)[:500]}), flush=True)
 
-    from cupy.cuda import memory_hook
-
     for batch, size in ((1, 2048), (16, 1024), (1, 8192)):
         for causal in (False, True):
-            shape = (batch, 8, size, 64)
             label = f"({batch}, 8, {size}, 64) causal={causal} float32"
-            q, k, v, g = (cp.random.default_rng(i).standard_normal(shape, dtype=cp.float32) for i in range(4))
-
-            def step(q=q, k=k, v=v, g=g, causal=causal):
-                _, backward = attnx.vjp(attnx.scaled_dot_product_attention, q, k, v, is_causal=causal)
-                return backward(g)
-
-            hook = type("PoolPeakHook", (PoolPeak, memory_hook.MemoryHook), {})()
-            cp.cuda.Device().synchronize()
-            with hook:
-                step()
-                cp.cuda.Device().synchronize()
-            ms = synchronized_ms(step, cp.cuda.Device().synchronize, repeat=5)
-            tq, tk, tv = (torch.randn(shape, device="cuda", requires_grad=True) for _ in range(3))
-            tg = torch.randn(shape, device="cuda")
-
-            def torch_step(tq=tq, tk=tk, tv=tv, tg=tg, causal=causal):
-                out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-                return torch.autograd.grad(out, (tq, tk, tv), tg)
-
-            torch_step()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            torch_step()
-            torch.cuda.synchronize()
-            torch_peak = torch.cuda.max_memory_allocated() - base
-            torch_ms = synchronized_ms(torch_step, torch.cuda.synchronize, repeat=5)
-            print(
-                json.dumps(
-                    {
-                        "row": f"vjp {label}",
-                        "cupy_ms": ms,
-                        "torch_ms": torch_ms,
-                        "ratio": round(ms / torch_ms, 2),
-                        "cupy_peak_mib": round(hook.peak / MiB, 1),
-                        "torch_peak_mib": round(torch_peak / MiB, 1),
-                    }
-                ),
-                flush=True,
-            )
+            vjp_against_torch(f"vjp {label}", (batch, 8, size, 64), causal, "float32", repeat=5)
 
 
 if __name__ == "__main__":

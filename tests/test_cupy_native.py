@@ -499,20 +499,7 @@ def cudnn_route(query, key, value, **options):
     query from ``causal_align``), or None."""
     from attnx.attention import validated_call
 
-    arguments = {
-        "mask": None,
-        "key_lengths": None,
-        "is_causal": False,
-        "causal_align": "bottom_right",
-        "scale": None,
-        "enable_gqa": False,
-        "return_weights": False,
-        "dropout_p": 0.0,
-        "dropout_seed": None,
-        "backend": "numpy",
-        **options,
-    }
-    call = validated_call("scaled_dot_product_attention", query, key, value, **arguments)
+    call = validated_call("scaled_dot_product_attention", query, key, value, backend="numpy", **options)
     query, key, value, _, key_lengths, is_causal, batch_shape, _ = call.computed
     return cupy_attention._cudnn_route(
         xp, query, key, value, key_lengths, is_causal, call.scale, batch_shape, device_index=0
