@@ -1,7 +1,7 @@
 """The GPU items of ``docs/archive/bench-sessions.md`` ("For the next lent GPU"), timed in
 one process against baselines measured in the same run.
 
-    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs] [masks] [host_profile] [flash] [flash_outputs] [flash_times] [flash_rule]   # on a machine with CUDA, CuPy and PyTorch
+    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs] [masks] [host_profile] [flash] [flash_outputs] [flash_times] [flash_rule] [flash_queries] [cudnn_outputs] [cudnn_times] [cudnn_vjp] [launch_cost] [vjp]   # on a machine with CUDA, CuPy and PyTorch
 
 Each row is :func:`attnx.benchmark.run_case`, as ``attnx bench`` times it
 (the median of at least 5 synchronised calls and 0.25 s, and the peak
@@ -33,6 +33,13 @@ the plan attnx made before the change measured:
   PyTorch's SDPA (``flash_times``), and its blocks' rows and tiles' keys;
   where it beats the blocks, small calls and small budgets (``flash_rule``,
   the measurements behind ``cupy_attention.prefers_fused``).
+- half precision through cuDNN's fused attention (``cudnn_outputs``: float16
+  and bfloat16, grouped heads, key lengths, what the route declines; its
+  outputs against float32 through attnx's own kernels), its time against
+  PyTorch's SDPA (``cudnn_times``), and ``attnx.vjp`` through cuDNN's
+  backward (``cudnn_vjp``: gradients against float32's, then time and
+  memory against PyTorch's autograd); ``attnx.vjp`` in float32 and float64
+  (``vjp``); the cost of a launch (``launch_cost``).
 
 The window's anchor is PyTorch's compiled FlexAttention, in the same run.
 Dask arrays of CuPy chunks are checked by ``tests/test_dask_cupy.py``.
