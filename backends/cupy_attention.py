@@ -82,6 +82,19 @@ DTYPES = ("float32", "float64", "float16", "bfloat16")
 #: some ten launches, and a small budget makes many.
 FUSED_SCORES = 2**16
 FUSED_ROUNDS = 8
+#: The fused kernel walks each query's keys in one thread: where the call
+#: has few queries in all (decoding: one a slice), most of the GPU idles
+#: while each thread walks its keys alone, ``m * (d_k + d_v)`` products in a
+#: row (a million at (1, 32, 1, 4096, 128)).  A call of fewer than
+#: FUSED_MIN_QUERIES queries whose threads would each do more than
+#: FUSED_MAX_SERIAL products for each round of attend's blocks goes to
+#: those blocks, whose matrix products spread the keys over the GPU.  From
+#: arithmetic, not yet timed: 2**17 products in a row take some 75 us, about
+#: the host's cost of a round's ten launches (a small call took 108 us,
+#: ninth GPU run); 2**12 queries fill some 3% of an H200's threads.
+#: ``bench/gpu_checks.py decode_times`` times both sides.
+FUSED_MIN_QUERIES = 2**12
+FUSED_MAX_SERIAL = 2**17
 #: Keys a block holds at least, where the budget can't hold whole rows (the
 #: generic algorithm's floor, below which the products lose their efficiency).
 MIN_KEYS = 512
@@ -302,16 +315,19 @@ def attend(
     return xp.reshape(output, (*batch_shape, n, d_v))
 
 
-def prefers_fused(slices: int, n: int, m: int, itemsize: int, is_causal: bool, budget: int) -> bool:
+def prefers_fused(slices: int, n: int, m: int, features: int, itemsize: int, is_causal: bool, budget: int) -> bool:
     """Whether a call without a mask is faster in the fused kernel than in
     :func:`attend`'s blocks: a small call (:data:`FUSED_SCORES` scores a
     slice at most), whose blocks' launches outweigh their work, or one that
     the memory ``budget`` cuts into :data:`FUSED_ROUNDS` blocks or more (the
-    fused kernel holds no scores whatever the budget)."""
-    if n * m <= FUSED_SCORES:
-        return True
+    fused kernel holds no scores whatever the budget); never a call of few
+    queries whose threads would each walk more keys than the blocks' rounds
+    cost (:data:`FUSED_MIN_QUERIES`; ``features``: ``d_k + d_v``)."""
     per_block, rows, key_chunk = plan(slices, n, m, itemsize, is_causal, budget, None)
-    return -(-slices // per_block) * -(-n // rows) * -(-m // key_chunk) >= FUSED_ROUNDS
+    rounds = -(-slices // per_block) * -(-n // rows) * -(-m // key_chunk)
+    if slices * n < FUSED_MIN_QUERIES and m * features > FUSED_MAX_SERIAL * rounds:
+        return False
+    return n * m <= FUSED_SCORES or rounds >= FUSED_ROUNDS
 
 
 #: The fused kernel: ``(plan, query, key, value, limits, scale, causal) ->
@@ -470,7 +486,11 @@ def scaled_dot_product_attention(
     slices, budget = math.prod(batch_shape), get_memory_budget(backend, query.device)
     flash = None
     # A mask goes to attend's blocks, and so does a chunk_size, which asks for them.
-    if mask is None and chunk_size is None and prefers_fused(slices, n, m, query.dtype.itemsize, is_causal, budget):
+    if (
+        mask is None
+        and chunk_size is None
+        and prefers_fused(slices, n, m, query.shape[-1] + value.shape[-1], query.dtype.itemsize, is_causal, budget)
+    ):
         flash = cupy_flash.plan(query.dtype.name, query.shape[-1], value.shape[-1], n, m, slices)
     with query.device:
         if flash is not None:

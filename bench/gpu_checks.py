@@ -1,7 +1,7 @@
 """The GPU items of ``docs/archive/bench-sessions.md`` ("For the next lent GPU"), timed in
 one process against baselines measured in the same run.
 
-    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs] [masks] [host_profile] [flash] [flash_outputs] [flash_times] [flash_rule] [flash_queries] [cudnn_outputs] [cudnn_times] [cudnn_vjp] [launch_cost] [vjp]   # on a machine with CUDA, CuPy and PyTorch
+    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs] [masks] [host_profile] [flash] [flash_outputs] [flash_times] [flash_rule] [flash_queries] [cudnn_outputs] [cudnn_times] [cudnn_vjp] [decode_times] [launch_cost] [vjp]   # on a machine with CUDA, CuPy and PyTorch
 
 Each row is :func:`attnx.benchmark.run_case`, as ``attnx bench`` times it
 (the median of at least 5 synchronised calls and 0.25 s, and the peak
@@ -39,7 +39,8 @@ the plan attnx made before the change measured:
   PyTorch's SDPA (``cudnn_times``), and ``attnx.vjp`` through cuDNN's
   backward (``cudnn_vjp``: gradients against float32's, then time and
   memory against PyTorch's autograd); ``attnx.vjp`` in float32 and float64
-  (``vjp``); the cost of a launch (``launch_cost``).
+  (``vjp``); the cost of a launch (``launch_cost``); decoding, float32 in
+  attend's blocks against the fused kernel (``decode_times``).
 
 The window's anchor is PyTorch's compiled FlexAttention, in the same run.
 Dask arrays of CuPy chunks are checked by ``tests/test_dask_cupy.py``.
@@ -1039,6 +1040,41 @@ def cudnn_times() -> None:
             ratio(row(f"cupy {label}", Case("attnx:cupy", **shape)), anchor)
 
 
+@contextlib.contextmanager
+def fused_for_few_queries() -> Any:
+    """The CuPy native as before the forty-ninth session: its fused kernel
+    for a call of few queries too, one thread walking each query's keys."""
+    from attnx_backends import cupy_attention
+
+    saved = cupy_attention.FUSED_MIN_QUERIES
+    cupy_attention.FUSED_MIN_QUERIES = 0
+    attnx._registry._plans.clear()
+    try:
+        yield
+    finally:
+        cupy_attention.FUSED_MIN_QUERIES = saved
+        attnx._registry._plans.clear()
+
+
+def decode_times() -> None:
+    """Issue 59's decoding shapes (a token a sequence over a padded cache,
+    ``attnx bench --operations decode``) on CuPy against PyTorch's SDPA on
+    the same GPU: float32 in attend's blocks (the route of a call of few
+    queries, ``cupy_attention.FUSED_MIN_QUERIES``) against the fused kernel,
+    which took them before; float16 through cuDNN's padding mask."""
+    shapes = ((1, 32, 8, 16384, 128), (8, 32, 8, 2048, 128), (4, 32, 32, 4096, 128))
+    for batch, heads, kv_heads, cache, d in shapes:
+        for dtype in ("float32", "float16"):
+            shape = dict(operation="decode", batch=batch, heads=heads, kv_heads=kv_heads, n=cache, head_dim=d)
+            shape.update(dtype=dtype, device=CUDA, repeat=20)
+            label = f"decode ({batch}, {heads}/{kv_heads}, 1, {cache}, {d}) {dtype}"
+            anchor = row(f"torch-sdpa {label}", Case("torch-sdpa", **shape))
+            ratio(row(f"cupy {label}", Case("attnx:cupy", **shape)), anchor)
+            if dtype == "float32":
+                with fused_for_few_queries():
+                    ratio(row(f"cupy fused kernel {label}", Case("attnx:cupy", **shape)), anchor)
+
+
 def launch_cost() -> None:
     """CuPy's cost of one kernel launch from Python (an empty RawKernel, 2,000
     launches then one wait), and of one small fused call, in microseconds."""
@@ -1135,6 +1171,7 @@ if __name__ == "__main__":
         "cudnn_times": cudnn_times,
         "cudnn_vjp": cudnn_vjp,
         "launch_cost": launch_cost,
+        "decode_times": decode_times,
         "vjp": vjp,
     }
     for stage in sys.argv[1:] or ["window", "family"]:  # in the order named: the first is the surest to finish

@@ -392,7 +392,29 @@ def test_flash_plan(dtype_name, d_k, d_v, n, rows):
     ],
 )
 def test_prefers_fused(slices, n, m, is_causal, budget, fused):
-    assert cupy_attention.prefers_fused(slices, n, m, 4, is_causal, budget) is fused
+    """Small calls and many rounds of blocks; with few features, so that no
+    thread's walk over its keys decides (the next test's rule)."""
+    assert cupy_attention.prefers_fused(slices, n, m, 8, 4, is_causal, budget) is fused
+
+
+@pytest.mark.parametrize(
+    ("slices", "n", "m", "features", "budget", "fused"),
+    [
+        (32, 1, 4096, 256, 2**29, False),  # decoding: 32 threads of a million products each
+        (256, 4, 4096, 256, 2**29, False),  # grouped heads folded into rows: 1,024 queries
+        (32, 1, 256, 256, 2**29, True),  # 2**16 products a thread: a small call still
+        (32, 1, 2**20, 256, 2**29, False),  # a million keys in one round of blocks
+        (1, 300, 2**14, 128, 2**20, True),  # 2**21 products a thread against 20 rounds of blocks
+        (1, 300, 2**14, 128, 2**29, False),  # against one round
+        (8, 512, 2**20, 128, 2**26, True),  # 4,096 queries: enough threads for the rounds
+        (1, 4096, 4096, 128, 2**20, True),  # as many queries, within one slice
+    ],
+)
+def test_prefers_fused_never_leaves_few_queries_to_walk_many_keys(slices, n, m, features, budget, fused):
+    """A thread's walk over its keys (``m * features`` products) against
+    the blocks' rounds (some ten launches each), where the queries are too
+    few to fill the GPU."""
+    assert cupy_attention.prefers_fused(slices, n, m, features, 4, False, budget) is fused
 
 
 @pytest.mark.parametrize(
