@@ -542,6 +542,8 @@ def _cudnn_route(
     None.  ``lengths``: each key slice's keys ``(slices,)``, where
     ``key_lengths`` are one number a slice (not one a query); else None.
     Shapes decide, never values."""
+    if query.dtype.name not in cupy_cudnn.IO_TYPES:
+        return None  # before the lengths' launches: float32 and float64 are attnx's own kernels'
     n, m = query.shape[-2], key.shape[-2]
     groups = natives.key_groups(query.shape, key.shape, value.shape)
     if n == 1:  # one query, aligned to the last key: the causal rule keeps every key

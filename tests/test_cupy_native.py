@@ -563,6 +563,18 @@ def test_the_cudnn_route_declines_lengths_that_differ_within_a_slice(cudnn_here,
     assert cudnn_route(_half(3, 2, 4, 64), _half(3, 2, 30, 64), _half(3, 2, 30, 64), **options) is None
 
 
+def test_the_cudnn_route_asks_nothing_of_single_precision(cudnn_here, monkeypatch):
+    """float32 (and float64) are attnx's own kernels': the route declines
+    them before counting the lengths, which costs launches on a GPU."""
+
+    def counted(*args, **kwargs):
+        raise AssertionError("the lengths were counted")
+
+    monkeypatch.setattr(cupy_attention.natives, "key_counts", counted)
+    arrays = (np.zeros((3, 2, 4, 64), dtype=np.float32) for _ in range(3))
+    assert cudnn_route(*arrays, key_lengths=np.array([1, 4, 2])) is None
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_the_cudnn_route_reads_each_key_slice_once_for_its_group(cudnn_here, is_causal):
     call, lengths = cudnn_route(
