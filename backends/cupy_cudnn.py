@@ -288,7 +288,9 @@ def attend_backward(
     import cupy
 
     graph, tensors, workspace_bytes = _backward(call)
-    query, key, value, output, d_output = _c_ordered(query, key, value, output, d_output.astype(output.dtype))
+    query, key, value, output, d_output = _c_ordered(
+        query, key, value, output, d_output.astype(output.dtype, copy=False)
+    )
     buffers = {"query": query, "key": key, "value": value, "output": output, "d_output": d_output, "stats": stats}
     for name, like in (("d_query", query), ("d_key", key), ("d_value", value)):
         buffers[name] = cupy.empty_like(like)
