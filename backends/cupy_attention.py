@@ -541,18 +541,14 @@ def _cudnn_route(
     ``chunk_size`` (:mod:`cupy_cudnn`) on the GPU ``device_index``, else
     None.  ``lengths``: each key slice's keys ``(slices,)``, where
     ``key_lengths`` are one number a slice (not one a query); else None.
-    Shapes decide, never values."""
-    if query.dtype.name not in cupy_cudnn.IO_TYPES:
-        return None  # before the lengths' launches: float32 and float64 are attnx's own kernels'
+    Shapes decide, never values: the plan's rules first, so that a call
+    cuDNN does not take (float32, causal with lengths) costs no launch."""
     n, m = query.shape[-2], key.shape[-2]
     groups = natives.key_groups(query.shape, key.shape, value.shape)
+    if key_lengths is not None and groups > 1:  # lengths may differ within a group
+        return None
     if n == 1:  # one query, aligned to the last key: the causal rule keeps every key
         is_causal = False
-    counts = None
-    if key_lengths is not None:
-        counts = natives.key_counts(xp, key_lengths, False, batch_shape, n, m, device=query.device)
-        if groups > 1 or (n > 1 and counts.shape[-1] != 1):  # lengths that differ within a key slice
-            return None
     call = cupy_cudnn.plan(
         query.dtype.name,
         slices=math.prod(batch_shape) // groups,
@@ -562,15 +558,17 @@ def _cudnn_route(
         d_k=query.shape[-1],
         d_v=value.shape[-1],
         is_causal=is_causal,
-        lengths=counts is not None,
+        lengths=key_lengths is not None,
         scale=scale,
         device=device_index,
         training=training,
     )
-    if call is None:
+    if call is None or key_lengths is None:
+        return None if call is None else (call, None)
+    counts = natives.key_counts(xp, key_lengths, False, batch_shape, n, m, device=query.device)
+    if n > 1 and counts.shape[-1] != 1:  # one length a query: they may differ within a slice
         return None
-    if counts is not None:
-        counts = xp.reshape(xp.broadcast_to(counts[..., :1], (*batch_shape, 1)), (-1,))
+    counts = xp.reshape(xp.broadcast_to(counts[..., :1], (*batch_shape, 1)), (-1,))
     return call, counts
 
 
@@ -625,7 +623,6 @@ def scaled_dot_product_attention_vjp(
         mask is not None
         or key_lengths is not None
         or chunk_size is not None
-        or query.dtype.name not in cupy_cudnn.IO_TYPES
         or 0 in (query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1], math.prod(batch_shape))
     ):
         return NotImplemented
@@ -636,7 +633,8 @@ def scaled_dot_product_attention_vjp(
         return NotImplemented
     call = route[0]
     with query.device:
-        laid = _cudnn_layout(xp, call, query, key, value, batch_shape)
+        # C-ordered once: the backward reads the same arrays (a broadcast key is a copy)
+        laid = cupy_cudnn.c_ordered(*_cudnn_layout(xp, call, query, key, value, batch_shape))
         output, stats = cupy_cudnn.attend(call, *laid)
 
     def backward(cotangent: Any) -> tuple[Any, Any, Any, Any]:

@@ -267,7 +267,7 @@ def attend(call: CudnnCall, query: Any, key: Any, value: Any, lengths: Any = Non
     import cupy
 
     graph, tensors, workspace_bytes = _forward(call)
-    query, key, value = _c_ordered(query, key, value)
+    query, key, value = c_ordered(query, key, value)
     output = cupy.empty((*query.shape[:-1], call.d_v), dtype=query.dtype)
     buffers = {"query": query, "key": key, "value": value, "output": output}
     if call.lengths:
@@ -288,7 +288,7 @@ def attend_backward(
     import cupy
 
     graph, tensors, workspace_bytes = _backward(call)
-    query, key, value, output, d_output = _c_ordered(
+    query, key, value, output, d_output = c_ordered(
         query, key, value, output, d_output.astype(output.dtype, copy=False)
     )
     buffers = {"query": query, "key": key, "value": value, "output": output, "d_output": d_output, "stats": stats}
@@ -298,7 +298,8 @@ def attend_backward(
     return buffers["d_query"], buffers["d_key"], buffers["d_value"]
 
 
-def _c_ordered(*arrays: Any) -> list[Any]:
+def c_ordered(*arrays: Any) -> list[Any]:
+    """The arrays C-ordered, as cuDNN's tensors are declared: copies of those that aren't."""
     import cupy
 
     return [array if array.flags.c_contiguous else cupy.ascontiguousarray(array) for array in arrays]

@@ -563,6 +563,14 @@ def test_the_cudnn_route_declines_lengths_that_differ_within_a_slice(cudnn_here,
     assert cudnn_route(_half(3, 2, 4, 64), _half(3, 2, 30, 64), _half(3, 2, 30, 64), **options) is None
 
 
+def test_the_cudnn_route_declines_lengths_for_grouped_heads(cudnn_here):
+    """cuDNN's padding mask holds one length a batch entry, here a key
+    slice, which a group's query heads share; lengths may differ between them."""
+    q, k = _half(3, 4, 5, 64), _half(3, 1, 30, 64)
+    assert cudnn_route(q, k, k)[0].groups == 4
+    assert cudnn_route(q, k, k, key_lengths=np.array([30, 0, 2])) is None
+
+
 def test_the_cudnn_route_asks_nothing_of_single_precision(cudnn_here, monkeypatch):
     """float32 (and float64) are attnx's own kernels': the route declines
     them before counting the lengths, which costs launches on a GPU."""
