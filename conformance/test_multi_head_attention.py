@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -76,9 +78,18 @@ def test_matches_reference(attnx_backend, config):
         assert_close(w_mean, expected_w.mean(axis=-3), be, dtype)
 
 
-@pytest.mark.parametrize("bias_kv, add_zero_attn", [(True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("num_kv_heads", [None, 1])
-@pytest.mark.parametrize("mask_layout", ["full", "keys", "queries", "scalar"])
+#: Every mask layout with every kind of extra keys, the heads' keys shared
+#: (num_kv_heads=1) or not in turn: each layout and each kind of extra keys
+#: meets both, in half the calls of the whole grid.
+EXTRA_KEYS_CALLS = [
+    (layout, bias_kv, add_zero_attn, (None, 1)[index % 2])
+    for index, (layout, (bias_kv, add_zero_attn)) in enumerate(
+        itertools.product(["full", "keys", "queries", "scalar"], [(True, False), (False, True), (True, True)])
+    )
+]
+
+
+@pytest.mark.parametrize("mask_layout, bias_kv, add_zero_attn, num_kv_heads", EXTRA_KEYS_CALLS)
 def test_extra_keys_bias_kv_and_zero_attention(attnx_backend, bias_kv, add_zero_attn, num_kv_heads, mask_layout):
     """PyTorch's add_bias_kv and add_zero_attn: keys beyond every mask,
     attended by every query, whatever the mask's shape: (n, m), a row of

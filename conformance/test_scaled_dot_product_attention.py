@@ -189,16 +189,27 @@ def test_native_override_equals_generic(attnx_backend):
 #: ``(n, m, chunk_size)``: tiles that divide neither axis, tiles of whole
 #: rows or keys, tiles of one query and key.
 CHUNKINGS = [(9, 11, (4, 3)), (11, 6, (3, 4)), (7, 7, (2, 7)), (5, 5, 1)]
+#: Memory budgets: none (the slices in one group), and one so small that
+#: the batch splits into groups of slices.
+BUDGETS = {"one-group": None, "batch-split": 200}
+
+
+def _chunked_call(index: int, case: str, step: int):
+    n, m, chunks = CHUNKINGS[(index + step) % len(CHUNKINGS)]
+    budget = list(BUDGETS)[(step + index // len(CHUNKINGS)) % len(BUDGETS)]
+    return pytest.param(case, n, m, chunks, BUDGETS[budget], id=f"{case}-{n}-{m}-{budget}")
+
+
 #: Each mask case in two chunkings, in turn, so that each chunking meets half
-#: the cases: the whole grid cost a minute on JAX, whose every new tile
-#: shape compiles, for no case the pairs miss.
-CHUNKED_CALLS = [
-    (case, *CHUNKINGS[(index + step) % len(CHUNKINGS)]) for index, case in enumerate(CASES) for step in (0, 1)
-]
+#: the cases, and under both budgets, one with each chunking, so that each
+#: chunking meets both budgets too.  The whole grid cost a minute on JAX,
+#: whose every new tile shape compiles; the pairs of chunkings under both
+#: budgets cost twice what these do, for no case, chunking or budget that
+#: these miss.
+CHUNKED_CALLS = [_chunked_call(index, case, step) for index, case in enumerate(CASES) for step in (0, 1)]
 
 
-@pytest.mark.parametrize("budget", [None, 200], ids=["one-group", "batch-split"])
-@pytest.mark.parametrize("case, n, m, chunks", CHUNKED_CALLS)
+@pytest.mark.parametrize("case, n, m, chunks, budget", CHUNKED_CALLS)
 def test_chunked_equals_plain(attnx_backend, case, n, m, chunks, budget):
     """The memory-efficient algorithm computes the plain algorithm's function,
     also where a small memory budget splits the batch into groups of slices
