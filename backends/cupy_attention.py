@@ -563,8 +563,10 @@ def _cudnn_route(
         device=device_index,
         training=training,
     )
-    if call is None or key_lengths is None:
-        return None if call is None else (call, None)
+    if call is None:
+        return None
+    if key_lengths is None:
+        return call, None
     counts = natives.key_counts(xp, key_lengths, False, batch_shape, n, m, device=query.device)
     if n > 1 and counts.shape[-1] != 1:  # one length a query: they may differ within a slice
         return None
