@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The tests a mutant must survive: the transforms' tests where the mutant is
-# in the JAX backend or the marks for tracers, attnx's fast unit tests (no
+# in the JAX backend or the marks for tracers, the backwards' tests where it
+# is in the training code, attnx's fast unit tests (no
 # subprocess-heavy CLI, example or pytester runs), the conformance suite on
 # NumPy, then the conformance kit's own pytester runs (a minute) where the
 # mutant is in the kit.  `run_tests.sh all` (before any mutant) runs them
@@ -9,6 +10,13 @@ set -euo pipefail
 export OPENBLAS_THREAD_TIMEOUT=4 OMP_NUM_THREADS=1 ATTNX_NUM_THREADS=1 ATTNX_STRICT_PLUGINS=1
 if [ "${1:-}" = all ] || [ -n "$(git diff --name-only -- backends/jax_backend.py attnx/_tracing.py)" ]; then
     python -m pytest -x -q -p no:cacheprovider tests/test_tracing.py  # JAX and PyTorch's transforms
+fi
+training="backends/numpy_backward.py attnx/_attention_vjp.py attnx/_flex_vjp.py attnx/_dropout.py attnx/_cotangents.py attnx/gradients.py"
+if [ "${1:-}" = all ] || [ -n "$(git diff --name-only -- $training)" ]; then
+    # The backwards and dropout: first, as they kill most of their mutants, on both cores (cosmic-ray runs one at a time)
+    # and on two threads a call, so that the NumPy backward shares its tasks out
+    ATTNX_NUM_THREADS=2 python -m pytest -x -q -p no:cacheprovider -n 2 tests/test_vjp.py tests/test_autograd_tiles.py
+    ATTNX_NUM_THREADS=2 python -m pytest -x -q -p no:cacheprovider -n 2 --pyargs attnx_conformance --attnx-backend numpy
 fi
 python -m pytest -x -q -p no:cacheprovider \
     tests/test_chunk_choice.py tests/test_dispatch.py tests/test_numpy_backend.py tests/test_registry.py \
