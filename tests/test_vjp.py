@@ -30,14 +30,14 @@ GRID = list(
 def _torch_gradients(q, k, v, cotangent, *, is_causal, lengths, scale):
     """PyTorch's autograd through its own SDPA, float64, the masks as one boolean mask."""
     n, m = q.shape[-2], k.shape[-2]
-    allowed = torch.ones((2, 1, n, m), dtype=torch.bool)
+    allowed = torch.ones((q.shape[0], 1, n, m), dtype=torch.bool)
     if is_causal:  # attnx's alignment: the last query with the last key
         allowed &= torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
-    if lengths is not None:
-        allowed &= torch.arange(m) < torch.tensor(lengths).reshape(2, 1, 1, 1)
+    if lengths is not None:  # one length per sequence, (B,), or per query, (B, 1, n)
+        allowed &= torch.arange(m) < torch.tensor(np.asarray(lengths)).reshape(q.shape[0], 1, -1, 1)
     leaves = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
     scale_leaf = torch.tensor(scale, dtype=torch.float64, requires_grad=True)
-    key, value = (torch.repeat_interleave(a, 3 // a.shape[1], dim=1) for a in leaves[1:])
+    key, value = (torch.repeat_interleave(a, q.shape[1] // a.shape[1], dim=1) for a in leaves[1:])
     scores = (leaves[0] @ key.transpose(-1, -2)) * scale_leaf
     weights = torch.softmax(scores.masked_fill(~allowed, -torch.inf), -1).nan_to_num(0.0)
     (weights @ value).backward(torch.tensor(cotangent))
@@ -73,12 +73,88 @@ def test_gradients_equal_pytorch_s_autograd(sizes, is_causal, lengths, kv_heads,
     np.testing.assert_allclose(float(grads["scale"]), expected[3], rtol=1e-10)
 
 
+@pytest.mark.parametrize(
+    ("batch", "heads", "kv_heads", "is_causal", "lengths", "budget"),
+    [
+        # one key/value slice for two threads: its rows shared out, each share's sums added after
+        (1, 1, 1, False, None, None),
+        # eight key/value slices, two a task, each serving three query slices (causal grouped heads
+        # do not fold into rows): in tiles of two query slices (a budget of 512 bytes) a tile would
+        # span two groups, so they take one
+        (2, 12, 4, True, None, 512),
+        # one key/value slice serving three query slices, a budget smaller than one tile: tiles of one
+        (1, 3, 1, True, None, 64),
+        # twelve slices, three a task, in tiles of two, cut where the lengths' slices end (a batch
+        # entry's two heads)
+        (6, 2, 2, False, [9, 0, 3, 7, 5, 1], 512),
+        # a length for each query: each range of rows reads its own
+        (2, 2, 2, False, [[[7, 0, 3, 9, 5, 1, 2]], [[1, 2, 0, 0, 9, 7, 3]]], None),
+    ],
+)
+def test_numpy_s_backward_shares_its_work_among_threads(
+    monkeypatch, batch, heads, kv_heads, is_causal, lengths, budget
+):
+    """NumPy's native backward on two threads hands out at least two tasks,
+    and their gradients, summed where they share a slice, are PyTorch's."""
+    backend = attnx._registry.get("numpy")
+    monkeypatch.setattr(backend, "concurrent_blocks", 2)
+    gen = np.random.default_rng([58, batch, heads])
+    q, k, v = (
+        gen.standard_normal((batch, heads, 7, 4)),
+        gen.standard_normal((batch, kv_heads, 9, 4)),
+        gen.standard_normal((batch, kv_heads, 9, 5)),
+    )
+    cotangent = gen.standard_normal((batch, heads, 7, 5))
+    _, backward = attnx.vjp(
+        attnx.scaled_dot_product_attention,
+        q,
+        k,
+        v,
+        key_lengths=None if lengths is None else np.array(lengths),
+        scale=np.asarray(0.7),
+        is_causal=is_causal,
+        chunk_size=(2, 3),
+        enable_gqa=kv_heads != heads,
+    )
+    tasks = []
+    map_blocks = backend.map_blocks
+
+    def counted(function, items):
+        items = list(items)
+        tasks.append(len(items))
+        return map_blocks(function, items)
+
+    monkeypatch.setattr(backend, "map_blocks", counted)
+    with attnx.memory_budget(budget) if budget else contextlib.nullcontext():
+        grads = backward(cotangent)
+    assert tasks and tasks[0] >= 2, tasks
+    expected = _torch_gradients(q, k, v, cotangent, is_causal=is_causal, lengths=lengths, scale=0.7)
+    for name, want in zip(("query", "key", "value"), expected):
+        np.testing.assert_allclose(grads[name], want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(float(grads["scale"]), expected[3], rtol=1e-10)
+
+
+def test_keys_shared_by_the_batch_get_gradients_summed_over_it():
+    """Keys and values of one batch entry, broadcast against a batch of
+    queries: their gradients are summed over the batch, in their own shape,
+    as PyTorch's autograd sums an expanded leaf's."""
+    gen = np.random.default_rng([58, 1])
+    q, k, v = (gen.standard_normal(shape) for shape in ((2, 3, 9, 4), (1, 3, 7, 4), (1, 3, 7, 5)))
+    cotangent = gen.standard_normal((2, 3, 9, 5))
+    _, backward = attnx.vjp(attnx.scaled_dot_product_attention, q, k, v, scale=np.asarray(0.7))
+    grads = backward(cotangent)
+    expected = _torch_gradients(q, k, v, cotangent, is_causal=False, lengths=None, scale=0.7)
+    for name, want in zip(("query", "key", "value"), expected):
+        np.testing.assert_allclose(grads[name], want, rtol=1e-10, atol=1e-12)
+
+
 def test_a_float_scale_gets_no_gradient_and_dtypes_are_kept():
     q = np.ones((1, 3, 4), dtype=np.float32)
     out, backward = attnx.vjp(attnx.scaled_dot_product_attention, q, q, q, scale=0.5)
     grads = backward(np.ones_like(out))
     assert sorted(grads) == ["key", "query", "value"]
     assert {g.dtype for g in grads.values()} == {np.dtype(np.float32)}
+    assert all(g.flags.writeable for g in grads.values()), "arrays of their own, as NumPy's functions give"
 
 
 @pytest.mark.parametrize(
