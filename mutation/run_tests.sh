@@ -17,6 +17,8 @@ if [ "${1:-}" = all ] || [ -n "$(git diff --name-only -- $training)" ]; then
     # and on two threads a call, so that the NumPy backward shares its tasks out
     ATTNX_NUM_THREADS=2 python -m pytest -x -q -p no:cacheprovider -n 2 tests/test_vjp.py tests/test_autograd_tiles.py
     ATTNX_NUM_THREADS=2 python -m pytest -x -q -p no:cacheprovider -n 2 --pyargs attnx_conformance --attnx-backend numpy
+    # PyTorch's autograd, to which attnx.vjp hands a score_mod of the user's own
+    python -m pytest -x -q -p no:cacheprovider --pyargs attnx_conformance --attnx-backend torch -k vjp
 fi
 python -m pytest -x -q -p no:cacheprovider \
     tests/test_chunk_choice.py tests/test_dispatch.py tests/test_numpy_backend.py tests/test_registry.py \
