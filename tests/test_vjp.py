@@ -146,6 +146,7 @@ def test_keys_shared_by_the_batch_get_gradients_summed_over_it():
     expected = _torch_gradients(q, k, v, cotangent, is_causal=False, lengths=None, scale=0.7)
     for name, want in zip(("query", "key", "value"), expected):
         np.testing.assert_allclose(grads[name], want, rtol=1e-10, atol=1e-12)
+    assert grads["key"].shape == k.shape and grads["value"].shape == v.shape
 
 
 def test_a_float_scale_gets_no_gradient_and_dtypes_are_kept():
