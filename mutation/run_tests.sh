@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The tests a mutant must survive: the transforms' tests where the mutant is
-# in the JAX backend or the marks for tracers, the backwards' tests where it
-# is in the training code, attnx's fast unit tests (no
+# in the JAX backend or the marks for tracers, the backwards' tests (on two
+# threads a call) and PyTorch's conformance gradients where it is in the
+# training code, attnx's fast unit tests (no
 # subprocess-heavy CLI, example or pytester runs), the conformance suite on
 # NumPy, then the conformance kit's own pytester runs (a minute) where the
 # mutant is in the kit.  `run_tests.sh all` (before any mutant) runs them
