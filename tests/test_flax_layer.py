@@ -154,6 +154,35 @@ def test_dropout_is_attnx_s_and_repeats_under_the_same_key():
     np.testing.assert_allclose(layer(q, k, v, deterministic=True), layer(q, k, v, deterministic=True))
 
 
+@pytest.mark.parametrize("batch", [(), (2, 3)], ids=["unbatched", "two batch axes"])
+def test_the_attention_takes_any_batch_axes_as_flax_s(batch):
+    """``dot_product_attention``'s ``(..., n, H, d)``: no batch axis, or
+    several, as ``flax.nnx.dot_product_attention`` takes them."""
+    gen = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(gen.standard_normal((*batch, length, 4, 8)), jnp.float32) for length in (5, 7, 7))
+    mask = jnp.asarray(gen.random((*batch, 4, 5, 7)) < 0.7) | (jnp.arange(7) == 0)
+    for call in ({}, {"mask": mask}):
+        expected = nnx.dot_product_attention(q, k, v, **call)
+        np.testing.assert_allclose(attnx.flax.dot_product_attention(q, k, v, **call), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_each_dropout_key_draws_a_mask_of_its_own():
+    """The dropout seeds come from the key over [0, 2**31 - 1): a hundred
+    keys give a hundred different masks (a seed drawn from fewer than a
+    hundred values would repeat one)."""
+    q, k, v = _inputs({})
+    q, k, v = (x.reshape(3, -1, 4, 2) for x in (q, k, v))
+
+    @jax.jit
+    def attend(key):
+        return attnx.flax.dot_product_attention(
+            q, k, v, dropout_rng=key, dropout_rate=0.5, broadcast_dropout=False, deterministic=False
+        )
+
+    outputs = {np.asarray(attend(jax.random.key(i))).tobytes() for i in range(100)}
+    assert len(outputs) == 100
+
+
 @pytest.mark.parametrize(
     ("make", "words"),
     [

@@ -6,6 +6,7 @@ torch.compile, and a model that trains as PyTorch's does."""
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ import attnx.torch  # noqa: E402
 LAYOUTS = {
     "packed projections": {},
     "kdim and vdim": {"kdim": 6, "vdim": 5},
+    "a wider vdim alone": {"vdim": 10},
     "no bias": {"bias": False},
     "bias_k and bias_v": {"add_bias_kv": True},
     "a zero key": {"add_zero_attn": True},
@@ -65,6 +67,7 @@ def _masks(batch=3, n=5, m=7, heads=2):
         "attn_mask, causal": {"attn_mask": future, "is_causal": True},
         "a real attn_mask": {"attn_mask": torch.randn(n, m, generator=gen, dtype=torch.float64)},
         "attn_mask per head": {"attn_mask": torch.rand(batch * heads, n, m, generator=gen) < 0.3},
+        "both, boolean": {"attn_mask": future, "key_padding_mask": padding[:2].repeat(2, 1)[:batch]},
         "both, real": {
             "attn_mask": torch.zeros(n, m, dtype=torch.float64).masked_fill(future, -math.inf),
             "key_padding_mask": torch.zeros(batch, m, dtype=torch.float64).masked_fill(
@@ -314,8 +317,26 @@ def test_a_score_mod_and_block_mask_equal_pytorchs_flex_attention():
             {"key_padding_mask": torch.zeros(1, 3, dtype=torch.bool), "score_mod": lambda s, b, h, i, j: s},
             "mask_mod",
         ),
+        (
+            lambda: attnx.torch.MultiheadAttention(8, 2, add_bias_kv=True),
+            {"score_mod": lambda s, b, h, i, j: s},
+            "can't be combined with add_bias_kv or add_zero_attn",
+        ),
+        (
+            lambda: attnx.torch.MultiheadAttention(8, 2, add_zero_attn=True),
+            {"score_mod": lambda s, b, h, i, j: s},
+            "can't be combined with add_bias_kv or add_zero_attn",
+        ),
+        (lambda: attnx.torch.MultiheadAttention(8, 2), {"is_causal": True}, "is_causal=True is a hint"),
     ],
-    ids=["rotary with bias_kv", "rotary with kdim (allowed)", "masks with a score_mod"],
+    ids=[
+        "rotary with bias_kv",
+        "rotary with kdim (allowed)",
+        "masks with a score_mod",
+        "a score_mod with bias_kv",
+        "a score_mod with a zero key",
+        "is_causal without its mask",
+    ],
 )
 def test_the_extras_refuse_what_they_cannot_do_exactly(make, call, words):
     if words is None:
@@ -325,6 +346,48 @@ def test_the_extras_refuse_what_they_cannot_do_exactly(make, call, words):
         layer = make()
         x = torch.zeros(1, 3, 8)
         layer(x, x, x, **call)
+
+
+@pytest.mark.parametrize(
+    ("size", "options", "message"),
+    [
+        ((8, 3), {}, "embed_dim must be a positive multiple of num_heads, got 8 and 3"),
+        ((0, 4), {}, "embed_dim must be a positive multiple of num_heads, got 0 and 4"),
+        ((8, 0), {}, "embed_dim must be a positive multiple of num_heads, got 8 and 0"),
+        ((8, 4), {"num_kv_heads": 3}, "num_kv_heads must divide num_heads = 4, got 3"),
+        ((8, 4), {"num_kv_heads": 0}, "num_kv_heads must divide num_heads = 4, got 0"),
+        ((8, 4), {"dropout": -0.1}, "dropout must lie in [0, 1], got -0.1"),
+        ((8, 4), {"dropout": 1.5}, "dropout must lie in [0, 1], got 1.5"),
+        ((6, 2), {"rotary": True}, "rotary=True needs an even head_dim, got 3"),
+        ((8, 2), {"rotary": True, "add_zero_attn": True}, "rotary=True can't be combined with add_bias_kv or"),
+    ],
+    ids=[
+        "heads not dividing",
+        "no embedding",
+        "no heads",
+        "kv heads not dividing",
+        "no kv heads",
+        "negative dropout",
+        "dropout over 1",
+        "odd head_dim with rotary",
+        "rotary with a zero key",
+    ],
+)
+def test_the_constructor_refuses_what_it_cannot_build_and_names_it(size, options, message):
+    with pytest.raises(ValueError, match="^MultiheadAttention: " + re.escape(message)):
+        attnx.torch.MultiheadAttention(*size, **options)
+
+
+def test_each_training_call_draws_a_mask_of_its_own():
+    """The dropout seeds come from PyTorch's generator over [0, 2**31 - 1):
+    a hundred training calls give a hundred different masks (a seed drawn
+    from fewer than a hundred values would repeat one)."""
+    ours, _ = _pair(dropout=0.5)
+    ours.train()
+    query, key, value = _inputs({})
+    torch.manual_seed(0)
+    masks = {(ours(query, key, value, average_attn_weights=False)[1] == 0).numpy().tobytes() for _ in range(100)}
+    assert len(masks) == 100
 
 
 def test_the_extras_compile_whole_and_equal_eager():
