@@ -15,7 +15,8 @@ from attnx_conformance.helpers import assert_close, rng, rounded
 
 pytestmark = pytest.mark.attnx_operation("scaled_dot_product_attention")
 
-B, H, H_KV = 2, 6, 2
+# H_kv differs from B, so that a layout read from the wrong axis is seen
+B, H, H_KV = 2, 6, 3
 GROUPS = H // H_KV
 
 

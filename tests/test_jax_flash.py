@@ -70,6 +70,35 @@ def test_blocks_that_divide_nothing_give_attnxs_function(n, m, is_causal):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("n", "m"), [(12, 12), (8, 12)], ids=["n = m", "n < m"])
+def test_the_causal_loops_never_visit_a_block_wholly_in_the_future(n, m):
+    """The forward reads, for each block of queries, only the blocks of keys
+    its last query reaches, and the backward visits, for each block of keys,
+    only the blocks of queries that reach it: with NaN in the values of the
+    last block of keys (blocks of 4), the rows that never reach it keep
+    their finite outputs and query gradients (a visited block, all of it
+    masked, would have made them NaN: 0 times NaN)."""
+    from attnx_backends.jax_flash import attention
+
+    rng = np.random.default_rng(n + m)
+    q, cotangent = (jnp.asarray(rng.standard_normal((1, 2, n, 4)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((1, 2, m, 4)), jnp.float32) for _ in range(2))
+    poisoned = v.at[..., m - 4 :, :].set(jnp.nan)
+    rows = n - 4  # the rows whose last key, i + m - n, lies before the last block
+
+    def attend(q, k, v):
+        return attention(q, k, v, scale=0.5, is_causal=True, blocks=(4, 4))
+
+    results = []
+    for values in (v, poisoned):
+        output, backward = jax.vjp(attend, q, k, values)
+        results.append((np.asarray(output)[..., :rows, :], np.asarray(backward(cotangent)[0])[..., :rows, :]))
+    (output, d_query), (poisoned_output, poisoned_d_query) = results
+    assert np.isfinite(poisoned_output).all() and np.isfinite(poisoned_d_query).all()
+    np.testing.assert_array_equal(poisoned_output, output)
+    np.testing.assert_array_equal(poisoned_d_query, d_query)
+
+
 RULES = {  # a call's masks, by (B, H, n, m), each with rows that attend nothing, and how the reference reads them
     "lengths": lambda rng, b, h, n, m: ({"key_lengths": np.array([m // 2, 0])}, {"lengths_per": "batch"}),
     "lengths_per_query": lambda rng, b, h, n, m: (
