@@ -2,7 +2,8 @@
 # The tests a mutant must survive: the transforms' tests where the mutant is
 # in the JAX backend or the marks for tracers, the backwards' tests (on two
 # threads a call) and PyTorch's conformance gradients where it is in the
-# training code, attnx's fast unit tests (no
+# training code, the layers' tests where it is in a framework layer, JAX's
+# loops' tests and conformance where it is in them, attnx's fast unit tests (no
 # subprocess-heavy CLI, example or pytester runs), the conformance suite on
 # NumPy, then the conformance kit's own pytester runs (a minute) where the
 # mutant is in the kit.  `run_tests.sh all` (before any mutant) runs them
@@ -20,6 +21,20 @@ if [ "${1:-}" = all ] || [ -n "$(git diff --name-only -- $training)" ]; then
     ATTNX_NUM_THREADS=2 python -m pytest -x -q -p no:cacheprovider -n 2 --pyargs attnx_conformance --attnx-backend numpy
     # PyTorch's autograd, to which attnx.vjp hands a score_mod of the user's own
     python -m pytest -x -q -p no:cacheprovider --pyargs attnx_conformance --attnx-backend torch -k vjp
+fi
+layers="attnx/torch.py attnx/flax.py attnx/keras.py backends/torch_function.py"
+if [ "${1:-}" = all ] || [ -n "$(git diff --name-only -- $layers)" ]; then
+    # The framework layers against PyTorch's, Flax's and Keras's own, and attnx's autograd.Function
+    python -m pytest -x -q -p no:cacheprovider -n 2 tests/test_torch_layer.py tests/test_flax_layer.py \
+        tests/test_keras_layer.py tests/test_autograd_tiles.py
+    python -m pytest -x -q -p no:cacheprovider -n 2 tests/test_vjp.py -k "torch or flax or keras"
+fi
+if [ "${1:-}" = all ] || [ -n "$(git diff --name-only -- backends/jax_flash.py)" ]; then
+    # JAX's loops: their own tests, JAX's backwards and transforms, the JAX conformance suite's attention
+    python -m pytest -x -q -p no:cacheprovider -n 2 tests/test_jax_flash.py
+    python -m pytest -x -q -p no:cacheprovider -n 2 tests/test_vjp.py tests/test_tracing.py -k jax
+    python -m pytest -x -q -p no:cacheprovider -n 2 --pyargs attnx_conformance --attnx-backend jax \
+        -k "scaled_dot or flex or vjp"
 fi
 python -m pytest -x -q -p no:cacheprovider \
     tests/test_chunk_choice.py tests/test_dispatch.py tests/test_numpy_backend.py tests/test_registry.py \
