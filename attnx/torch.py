@@ -199,7 +199,14 @@ class MultiheadAttention(nn.Module):
         :func:`attnx.flex_attention`'s with them (PyTorch's FlexAttention
         convention, :mod:`attnx.mods`); masks then come as the block mask's
         ``mask_mod`` (``key_padding_mask`` and ``attn_mask`` are refused),
-        and the layer takes no ``add_bias_kv`` or ``add_zero_attn``."""
+        and the layer takes no ``add_bias_kv`` or ``add_zero_attn``.
+
+        Bad inputs are refused before any computation, by PyTorch's layer's
+        rules: a TypeError where an input or a mask is not a tensor, or a
+        mask is neither boolean nor floating; a ValueError naming the
+        argument where a shape is not the layout above (``S`` the keys'
+        positions, ``E`` the features ``embed_dim``, ``kdim`` and ``vdim``)."""
+        self._check_inputs(query, key, value, key_padding_mask, attn_mask)
         if is_causal and attn_mask is None:
             raise ValueError("MultiheadAttention: is_causal=True is a hint that attn_mask is the causal mask: give it")
         flex = score_mod is not None or block_mask is not None
@@ -248,6 +255,74 @@ class MultiheadAttention(nn.Module):
             output = output.squeeze(1)
             weights = None if weights is None else weights.squeeze(0)
         return output, weights
+
+    def _check_inputs(self, query: Any, key: Any, value: Any, key_padding_mask: Any, attn_mask: Any) -> None:
+        """PyTorch's layer's rules for its inputs, as a TypeError or
+        ValueError naming the argument, before any computation."""
+        given = {"query": query, "key": key, "value": value}
+        given.update(key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        for name, array in given.items():
+            if array is not None and not isinstance(array, torch.Tensor):
+                raise TypeError(f"MultiheadAttention: {name} must be a torch.Tensor, got {type(array).__name__}")
+        layout = "(N, L, E)" if self.batch_first else "(L, N, E)"
+        if query.dim() not in (2, 3):
+            raise ValueError(
+                f"MultiheadAttention: query must be unbatched (L, E) or batched {layout}, "
+                f"got shape {tuple(query.shape)}"
+            )
+        if key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(
+                f"MultiheadAttention: key and value must be {query.dim()}-D as query is, "
+                f"got shapes {tuple(key.shape)} and {tuple(value.shape)}"
+            )
+        for name, array, features in (
+            ("query", query, self.embed_dim),
+            ("key", key, self.kdim),
+            ("value", value, self.vdim),
+        ):
+            if array.shape[-1] != features:
+                raise ValueError(
+                    f"MultiheadAttention: {name} must have {features} features (its last axis), "
+                    f"got shape {tuple(array.shape)}"
+                )
+        if key.shape[:-1] != value.shape[:-1]:
+            raise ValueError(
+                "MultiheadAttention: key and value must have the same positions and batch, "
+                f"got shapes {tuple(key.shape)} and {tuple(value.shape)}"
+            )
+        batched = query.dim() == 3
+        batch_axis, position_axis = (0, 1) if self.batch_first else (1, 0)
+        if not batched:
+            position_axis = 0
+        elif query.shape[batch_axis] != key.shape[batch_axis]:
+            raise ValueError(
+                f"MultiheadAttention: query and key must have the same batch size N, "
+                f"got shapes {tuple(query.shape)} and {tuple(key.shape)}"
+            )
+        n, m = query.shape[position_axis], key.shape[position_axis]
+        batch = query.shape[batch_axis] if batched else 1
+        masks = {
+            "key_padding_mask": (
+                key_padding_mask,
+                [(batch, m)] if batched else [(m,)],
+                "(N, S)" if batched else "(S,)",
+            ),
+            "attn_mask": (
+                attn_mask,
+                [(n, m), (batch * self.num_heads, n, m)],
+                "(L, S) or (N * num_heads, L, S)" if batched else "(L, S) or (num_heads, L, S)",
+            ),
+        }
+        for name, (mask, shapes, words) in masks.items():
+            if mask is None:
+                continue
+            if mask.dtype != torch.bool and not mask.is_floating_point():
+                raise TypeError(f"MultiheadAttention: {name} must be boolean or floating, got {mask.dtype}")
+            if tuple(mask.shape) not in shapes:
+                raise ValueError(
+                    f"MultiheadAttention: {name} must have shape {words} = "
+                    f"{' or '.join(map(str, shapes))}, got {tuple(mask.shape)}"
+                )
 
     def _heads_forward(
         self,

@@ -125,6 +125,151 @@ def test_unbatched_inputs_and_need_weights_false():
     assert weights.shape == (5, 7)
 
 
+def test_unbatched_inputs_take_masks_per_head_and_padding():
+    ours, theirs = _pair()
+    query, key, value = (x[:, 0] for x in _inputs({}))
+    gen = torch.Generator().manual_seed(4)
+    masks = {
+        "attn_mask": torch.rand(2, 5, 7, generator=gen) < 0.3,
+        "key_padding_mask": torch.arange(7) >= 5,
+    }
+    out, weights = ours(query, key, value, average_attn_weights=False, **masks)
+    expected, expected_weights = theirs(query, key, value, average_attn_weights=False, **masks)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-10, atol=1e-12)
+
+
+def _bad_calls():
+    """name -> (layer options, query, key, value, call keywords, error, message): inputs PyTorch's layer refuses."""
+    x, kv = torch.zeros(5, 3, 8), torch.zeros(7, 3, 8)
+    shape_words = "must have shape (L, S) or (N * num_heads, L, S) = (5, 7) or (6, 5, 7)"
+    return {
+        "a 1-D query": (
+            {},
+            torch.zeros(8),
+            kv,
+            kv,
+            {},
+            ValueError,
+            "query must be unbatched (L, E) or batched (L, N, E), got shape (8,)",
+        ),
+        "a 4-D query": (
+            {},
+            torch.zeros(5, 3, 1, 8),
+            kv,
+            kv,
+            {},
+            ValueError,
+            "query must be unbatched (L, E) or batched (L, N, E)",
+        ),
+        "an unbatched query, batched keys": (
+            {},
+            x[:, 0],
+            kv,
+            kv,
+            {},
+            ValueError,
+            "key and value must be 2-D as query is",
+        ),
+        "the query's features": ({}, torch.zeros(5, 3, 6), kv, kv, {}, ValueError, "query must have 8 features"),
+        "the key's features": (
+            {"kdim": 6},
+            x,
+            kv,
+            kv,
+            {},
+            ValueError,
+            "key must have 6 features (its last axis), got shape (7, 3, 8)",
+        ),
+        "key and value of other lengths": (
+            {},
+            x,
+            kv,
+            torch.zeros(6, 3, 8),
+            {},
+            ValueError,
+            "key and value must have the same positions",
+        ),
+        "keys of another batch": (
+            {},
+            x,
+            kv[:, :2],
+            kv[:, :2],
+            {},
+            ValueError,
+            "query and key must have the same batch size N",
+        ),
+        "an attn_mask of H slices": (
+            {},
+            x,
+            kv,
+            kv,
+            {"attn_mask": torch.zeros(2, 5, 7, dtype=torch.bool)},
+            ValueError,
+            f"attn_mask {shape_words}, got (2, 5, 7)",
+        ),
+        "a 4-D attn_mask": (
+            {},
+            x,
+            kv,
+            kv,
+            {"attn_mask": torch.zeros(3, 2, 5, 7, dtype=torch.bool)},
+            ValueError,
+            f"attn_mask {shape_words}, got (3, 2, 5, 7)",
+        ),
+        "an attn_mask of other keys": (
+            {},
+            x,
+            kv,
+            kv,
+            {"attn_mask": torch.zeros(5, 6)},
+            ValueError,
+            f"attn_mask {shape_words}, got (5, 6)",
+        ),
+        "a key_padding_mask of other keys": (
+            {},
+            x,
+            kv,
+            kv,
+            {"key_padding_mask": torch.zeros(3, 6, dtype=torch.bool)},
+            ValueError,
+            "key_padding_mask must have shape (N, S) = (3, 7), got (3, 6)",
+        ),
+        "a 1-D key_padding_mask, batched": (
+            {},
+            x,
+            kv,
+            kv,
+            {"key_padding_mask": torch.zeros(7, dtype=torch.bool)},
+            ValueError,
+            "key_padding_mask must have shape (N, S) = (3, 7), got (7,)",
+        ),
+        "an integer attn_mask": (
+            {},
+            x,
+            kv,
+            kv,
+            {"attn_mask": torch.zeros(5, 7, dtype=torch.int64)},
+            TypeError,
+            "attn_mask must be boolean or floating, got torch.int64",
+        ),
+        "a NumPy query": ({}, x.numpy(), kv, kv, {}, TypeError, "query must be a torch.Tensor, got ndarray"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_inputs_are_refused_by_name_as_pytorchs_layer_refuses_them(case):
+    """Each call PyTorch's layer refuses (with an AssertionError or a
+    RuntimeError of its own), refused before any computation, as a
+    ValueError or TypeError naming the argument."""
+    options, query, key, value, call, error, message = _bad_calls()[case]
+    ours, theirs = (kind(8, 2, **options) for kind in (attnx.torch.MultiheadAttention, torch.nn.MultiheadAttention))
+    with pytest.raises((AssertionError, RuntimeError, AttributeError)):  # PyTorch's own errors
+        theirs(query, key, value, **call)
+    with pytest.raises(error, match="^MultiheadAttention: " + re.escape(message)):
+        ours(query, key, value, **call)
+
+
 def test_grouped_heads_read_their_groups_key_value_head():
     """num_kv_heads, which PyTorch's layer lacks, against its parameters
     used by hand with PyTorch's own grouped SDPA (``enable_gqa``)."""
