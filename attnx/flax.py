@@ -82,14 +82,19 @@ def dot_product_attention(
     Raises
     ------
     ValueError
-        If ``broadcast_dropout=True`` comes with dropout that applies, if
-        dropout applies without a ``dropout_rng``, or if ``precision`` is
-        given; and whatever :func:`attnx.scaled_dot_product_attention` raises.
+        If the inputs break Flax's rules (one rank, at least 3, the same
+        batch axes, keys and values of the same positions and heads, keys
+        of the queries' features, a ``bias`` that broadcasts to the
+        scores), if ``broadcast_dropout=True`` comes with dropout that
+        applies, if dropout applies without a ``dropout_rng``, or if
+        ``precision`` is given; and whatever
+        :func:`attnx.scaled_dot_product_attention` raises.
     """
     if precision is not None:
         raise ValueError(
             f"attnx.flax: precision must be None (attnx's products take the arrays' own), got {precision!r}"
         )
+    _check_inputs(query, key, value, bias)
     if promote_dtype is None:
         from flax.nnx.nn import dtypes
 
@@ -132,6 +137,38 @@ def dot_product_attention(
         result, weights = result
         module.sow(nnx.Intermediate, "attention_weights", weights)
     return jnp.swapaxes(result, -3, -2)
+
+
+def _check_inputs(query: Any, key: Any, value: Any, bias: Any) -> None:
+    """Flax's rules for the inputs, in its layout ``(..., n, H, d)``, as
+    ValueErrors naming the argument (attnx's own checks see its layout)."""
+    shapes = f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}"
+    if query.ndim < 3 or key.ndim != query.ndim or value.ndim != query.ndim:
+        raise ValueError(
+            f"attnx.flax: query, key and value must be (..., n, H, d) arrays of one rank, got shapes {shapes}"
+        )
+    if not query.shape[:-3] == key.shape[:-3] == value.shape[:-3]:
+        raise ValueError(f"attnx.flax: query, key and value must have the same batch axes (...), got shapes {shapes}")
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(
+            f"attnx.flax: key and value must have the same (..., m, H_kv), got shapes {tuple(key.shape)} "
+            f"and {tuple(value.shape)}"
+        )
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(
+            f"attnx.flax: key must have d_k = {query.shape[-1]} features (from query), got shape {tuple(key.shape)}"
+        )
+    if bias is not None:
+        scores = (*query.shape[:-3], query.shape[-2], query.shape[-3], key.shape[-3])
+        try:
+            fits = jnp.broadcast_shapes(tuple(bias.shape), scores) == scores
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"attnx.flax: bias must broadcast to the scores' shape (..., H, n, m) = {scores}, "
+                f"got shape {tuple(bias.shape)}"
+            )
 
 
 class MultiHeadAttention(nnx.MultiHeadAttention):

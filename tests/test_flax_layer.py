@@ -5,6 +5,7 @@ the autoregressive cache, and a model that trains as Flax's does."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -164,6 +165,40 @@ def test_the_attention_takes_any_batch_axes_as_flax_s(batch):
     for call in ({}, {"mask": mask}):
         expected = nnx.dot_product_attention(q, k, v, **call)
         np.testing.assert_allclose(attnx.flax.dot_product_attention(q, k, v, **call), expected, rtol=2e-5, atol=2e-5)
+
+
+def _bad_calls():
+    """name -> (query, key, value, call keywords, message): inputs Flax's own function refuses."""
+    q, k = jnp.zeros((2, 5, 4, 8)), jnp.zeros((2, 7, 4, 8))
+    return {
+        "a 1-D query": (jnp.zeros(8), k, k, {}, "query, key and value must be (..., n, H, d) arrays of one rank"),
+        "keys of another rank": (
+            q,
+            k[0],
+            k[0],
+            {},
+            "query, key and value must be (..., n, H, d) arrays of one rank, got shapes (2, 5, 4, 8), (7, 4, 8)",
+        ),
+        "keys of another batch": (q, k[:1], k[:1], {}, "query, key and value must have the same batch axes (...)"),
+        "values of other positions": (q, k, k[:, :6], {}, "key and value must have the same (..., m, H_kv)"),
+        "keys of other features": (q, k[..., :6], k, {}, "key must have d_k = 8 features (from query), got shape"),
+        "a bias of other keys": (
+            q,
+            k,
+            k,
+            {"bias": jnp.zeros((2, 4, 5, 6))},
+            "bias must broadcast to the scores' shape (..., H, n, m) = (2, 4, 5, 7), got shape (2, 4, 5, 6)",
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_inputs_are_refused_by_name_as_flax_refuses_them(case):
+    query, key, value, call, message = _bad_calls()[case]
+    with pytest.raises((ValueError, TypeError)):
+        nnx.dot_product_attention(query, key, value, **call)
+    with pytest.raises(ValueError, match="^attnx.flax: " + re.escape(message)):
+        attnx.flax.dot_product_attention(query, key, value, **call)
 
 
 def test_each_dropout_key_draws_a_mask_of_its_own():
