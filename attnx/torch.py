@@ -259,8 +259,13 @@ class MultiheadAttention(nn.Module):
     def _check_inputs(self, query: Any, key: Any, value: Any, key_padding_mask: Any, attn_mask: Any) -> None:
         """PyTorch's layer's rules for its inputs, as a TypeError or
         ValueError naming the argument, before any computation."""
-        given = {"query": query, "key": key, "value": value}
-        given.update(key_padding_mask=key_padding_mask, attn_mask=attn_mask)
+        given = {
+            "query": query,
+            "key": key,
+            "value": value,
+            "key_padding_mask": key_padding_mask,
+            "attn_mask": attn_mask,
+        }
         for name, array in given.items():
             if array is not None and not isinstance(array, torch.Tensor):
                 raise TypeError(f"MultiheadAttention: {name} must be a torch.Tensor, got {type(array).__name__}")
