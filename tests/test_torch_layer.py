@@ -11,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 import attnx.torch  # noqa: E402
@@ -268,6 +270,101 @@ def test_bad_inputs_are_refused_by_name_as_pytorchs_layer_refuses_them(case):
         theirs(query, key, value, **call)
     with pytest.raises(error, match="^MultiheadAttention: " + re.escape(message)):
         ours(query, key, value, **call)
+
+
+#: The wrong calls of a layer (8 features, 2 heads), one at a time: each is refused by PyTorch's layer.
+FAULTS = [
+    "a 1-D query",
+    "a 4-D query",
+    "keys of another rank",
+    "the query's features",
+    "the key's features",
+    "the value's features",
+    "values of another length",
+    "keys of another batch",
+    "an attn_mask of the wrong count",
+    "a 4-D attn_mask",
+    "an attn_mask of other keys",
+    "a 1-D key_padding_mask, batched",
+    "a key_padding_mask of other keys",
+    "an integer attn_mask",
+    "an integer key_padding_mask",
+]
+
+
+@st.composite
+def _calls(draw):
+    """A layer's options and a call of it: right (half the time), or wrong
+    in one of the ways PyTorch's layer refuses (:data:`FAULTS`)."""
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    fault = draw(st.sampled_from([None] * len(FAULTS) + FAULTS))
+    batch_first, batched = draw(st.booleans()), draw(st.booleans()) or fault == "keys of another batch"
+    n, m, batch, kdim = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(1, 3)), 6
+    heads = 2
+
+    def sequence(length, features, lead=batch):
+        shape = ((lead, length) if batch_first else (length, lead)) if batched else (length,)
+        return torch.randn(*shape, features, generator=gen, dtype=torch.float64)
+
+    query = sequence(n, 8 - (fault == "the query's features"))
+    key_batch = batch + (fault == "keys of another batch")
+    key = sequence(m, kdim - (fault == "the key's features"), key_batch)
+    value = sequence(m + (fault == "values of another length"), 8 - (fault == "the value's features"), key_batch)
+    if fault == "a 1-D query":
+        query = query.flatten()[:8]
+    if fault == "a 4-D query":
+        query = query.reshape(*query.shape[:-1], 1, 8)
+    if fault == "keys of another rank":
+        key, value = key[None], value[None]
+    masks = {
+        "attn_mask": [(n, m), (batch * heads if batched else heads, n, m)],
+        "key_padding_mask": [(batch, m) if batched else (m,)],
+    }
+    wrong_shapes = {
+        "an attn_mask of the wrong count": ("attn_mask", ((batch if batched else 1) * heads + 1, n, m)),
+        "a 4-D attn_mask": ("attn_mask", (batch, heads, n, m)),
+        "an attn_mask of other keys": ("attn_mask", (n, m + 1)),
+        "a 1-D key_padding_mask, batched": ("key_padding_mask", (m,)),
+        "a key_padding_mask of other keys": ("key_padding_mask", (batch, m + 1) if batched else (m + 1,)),
+    }
+    call = {}
+    for name, shapes in masks.items():
+        shape = draw(st.sampled_from([None, *shapes]))
+        if fault in wrong_shapes and wrong_shapes[fault][0] == name:
+            shape = wrong_shapes[fault][1]
+        if fault == f"an integer {name}" and shape is None:
+            shape = shapes[0]
+        if shape is not None:
+            real = torch.randn(shape, generator=gen, dtype=torch.float64)
+            kind = draw(st.sampled_from(["bool", "float"]))
+            call[name] = real if kind == "float" else real > 0.5
+            if fault == f"an integer {name}":
+                call[name] = (real > 0.5).to(torch.int64)
+    return fault, {"batch_first": batch_first, "kdim": kdim}, query, key, value, call
+
+
+@settings(max_examples=150, deadline=None)
+@given(_calls())
+def test_it_refuses_what_pytorchs_layer_refuses_and_computes_the_rest_alike(drawn):
+    """Differential: over calls right and wrong, ours refuses (a ValueError
+    or TypeError, nothing else) exactly those PyTorch's layer refuses, and
+    where both compute, the outputs agree (where PyTorch's is not NaN: a
+    row with no key is zeros in ours)."""
+    fault, options, query, key, value, call = drawn
+    event(fault or "a right call")
+    ours, theirs = _pair(**options)
+    try:
+        expected = theirs(query, key, value, **call)[0]
+    except (AssertionError, RuntimeError, AttributeError, IndexError):  # PyTorch's own errors
+        expected = None
+    event("PyTorch's layer refuses" if expected is None else "PyTorch's layer computes")
+    if expected is None:
+        with pytest.raises((ValueError, TypeError)):
+            ours(query, key, value, **call)
+        return
+    out = ours(query, key, value, **call)[0]
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(out[finite], expected[finite], rtol=1e-9, atol=1e-11)
 
 
 def test_grouped_heads_read_their_groups_key_value_head():
