@@ -293,6 +293,16 @@ def broadcast(operation: str, named_shapes: dict[str, tuple[int, ...]], what: st
     return tuple(result)
 
 
+def broadcasts_to(operation: str, name: str, shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` without growing it: the
+    rule of a mask or a bias against its scores, of a mod's result against
+    its tile."""
+    try:
+        return broadcast(operation, {name: shape, "target": target}) == tuple(target)
+    except ValueError:
+        return False
+
+
 QKV = ("query", "key", "value")
 #: What :func:`broadcast` compares in attention: the shapes before ``(n, d)``.
 LEADING = "leading shapes (...)"

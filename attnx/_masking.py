@@ -19,7 +19,7 @@ from array_api_compat import is_writeable_array
 
 from attnx._checks import (
     accumulation_dtype,
-    broadcast,
+    broadcasts_to,
     device_of,
     dtype_kind,
     dtype_label,
@@ -128,11 +128,7 @@ def check_mask(
             f"floating (added to the scores), got dtype {dtype_name(mask)}"
         )
     target = (*batch_shape, n, m)
-    try:
-        fits = broadcast(operation, {"mask": shape_of(mask), "scores": target}) == target
-    except ValueError:
-        fits = False
-    if not fits:
+    if not broadcasts_to(operation, "mask", shape_of(mask), target):
         raise ValueError(
             f"{operation}: mask must broadcast to the scores' shape (..., n, m) = {target}, got shape {shape_of(mask)}"
         )
@@ -159,19 +155,11 @@ def check_mask(
 def lengths_layout(shape: tuple[int, ...], batch_shape: tuple[int, ...], n: int) -> str | None:
     if len(shape) == 1 and len(batch_shape) > 1 and shape[0] == batch_shape[0]:
         return "batch_first"
-    if len(shape) == len(batch_shape) + 1 and shape[-1] in (n, 1):
-        try:
-            # Lengths broadcast *to* the batch: a size where the batch has 1 would grow it.
-            if broadcast("", {"a": shape[:-1], "b": batch_shape}) == batch_shape:
-                return "per_query"
-        except ValueError:
-            pass
-    if len(shape) <= len(batch_shape):
-        try:
-            if broadcast("", {"a": shape, "b": batch_shape}) == batch_shape:
-                return "per_sequence"
-        except ValueError:
-            pass
+    # Lengths broadcast *to* the batch: a size where the batch has 1 would grow it.
+    if len(shape) == len(batch_shape) + 1 and shape[-1] in (n, 1) and broadcasts_to("", "", shape[:-1], batch_shape):
+        return "per_query"
+    if len(shape) <= len(batch_shape) and broadcasts_to("", "", shape, batch_shape):
+        return "per_sequence"
     return None
 
 

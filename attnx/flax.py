@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from attnx._checks import broadcasts_to
 from attnx.attention import scaled_dot_product_attention
 from attnx.masks import causal
 
@@ -160,11 +161,7 @@ def _check_inputs(query: Any, key: Any, value: Any, bias: Any) -> None:
         )
     if bias is not None:
         scores = (*query.shape[:-3], query.shape[-2], query.shape[-3], key.shape[-3])
-        try:
-            fits = jnp.broadcast_shapes(tuple(bias.shape), scores) == scores
-        except ValueError:
-            fits = False
-        if not fits:
+        if not broadcasts_to("attnx.flax", "bias", tuple(bias.shape), scores):
             raise ValueError(
                 f"attnx.flax: bias must broadcast to the scores' shape (..., H, n, m) = {scores}, "
                 f"got shape {tuple(bias.shape)}"

@@ -533,11 +533,7 @@ def _call_mod(
     broadcasts to ``tile``; one error naming the mod otherwise."""
     on = f"index arrays ({_indices_said(indices)})"
     result = _checks.call_users_function(operation, name, chosen, mod, arguments, on)
-    try:
-        fits = _checks.broadcast(operation, {name: _checks.shape_of(result), "tile": tile}) == tile
-    except ValueError:
-        fits = False
-    if not fits:
+    if not _checks.broadcasts_to(operation, name, _checks.shape_of(result), tile):
         raise ValueError(
             f"{operation}: {name} must return an array broadcastable to the tile's shape {tile} "
             f"(for {_indices_said(indices)}), got shape {_checks.shape_of(result)}"
