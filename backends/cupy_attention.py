@@ -43,6 +43,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy
+
 from attnx import blocks, get_memory_budget, natives
 from attnx.natives import MIN_ROWS
 
@@ -182,20 +184,26 @@ def cupy_row_softmax(scores: Any, limits: Any, first_key: int) -> tuple[Any, Any
     if not scores.flags.c_contiguous:
         raise ValueError("the row softmax works in place on C-ordered scores")
 
-    count, width = scores.shape
+    count = scores.shape[0]
     maxima = cupy.empty((count,), dtype=scores.dtype)
     divisors = cupy.empty((count,), dtype=scores.dtype)
     has_limits = limits is not None
-    if limits is None:
-        limits = maxima  # any pointer: the kernel does not read it
-    else:
-        limits = cupy.ascontiguousarray(limits, dtype=cupy.int32)  # one int a row, in the rows' order
-    _kernel(scores.dtype.name)(
-        (count,),
-        (threads_per_row(width),),
-        (scores, maxima, divisors, limits, cupy.int32(has_limits), cupy.int32(width), cupy.int32(first_key)),
-    )
+    # One int a row, in the rows' order; without limits the kernel reads none: any int32 array will do.
+    limits = cupy.ascontiguousarray(limits, dtype=cupy.int32) if has_limits else cupy.empty((1,), dtype=cupy.int32)
+    _kernel(scores.dtype.name)(*row_softmax_launch(scores, maxima, divisors, limits, first_key, has_limits=has_limits))
     return maxima, divisors
+
+
+def row_softmax_launch(
+    scores: Any, maxima: Any, divisors: Any, limits: Any, first_key: int, *, has_limits: bool
+) -> tuple[tuple[int], tuple[int], tuple[Any, ...]]:
+    """``(grid, block, arguments)`` of the row softmax's launch on C-ordered
+    ``(count, width)`` scores, ``limits`` an int32 array (read where
+    ``has_limits``).  Written from their shapes alone, so that the tests
+    launch the same source on the CPU (``tests/cuda_on_cpu.py``)."""
+    count, width = scores.shape
+    arguments = (scores, maxima, divisors, limits, *map(numpy.int32, (has_limits, width, first_key)))
+    return (count,), (threads_per_row(width),), arguments
 
 
 def threads_per_row(width: int) -> int:

@@ -43,6 +43,8 @@ import dataclasses
 import functools
 from typing import Any
 
+import numpy
+
 #: The kernel, written once for ``T`` (float or double) and the sizes of
 #: :func:`kernel_source`: ``D``/``DV`` the query's and value's features,
 #: ``DP``/``DVP`` those padded to whole vectors ``V`` of ``VEC`` numbers
@@ -334,27 +336,32 @@ def attend(flash: FlashPlan, query: Any, key: Any, value: Any, limits: Any, scal
     import cupy
 
     query, key, value = (cupy.ascontiguousarray(array) for array in (query, key, value))
-    slices, n = query.shape[0], query.shape[1]
-    m = key.shape[1]
-    output = cupy.empty((slices, n, flash.d_v), dtype=query.dtype)
+    output = cupy.empty((query.shape[0], query.shape[1], flash.d_v), dtype=query.dtype)
     has_limits = limits is not None
-    limits = output if limits is None else cupy.ascontiguousarray(limits, dtype=cupy.int32)
-    row_blocks = -(-n // flash.block_queries)
-    _kernel(flash)(
-        (slices * row_blocks,),
-        (flash.rows,),
-        (
-            query,
-            key,
-            value,
-            output,
-            limits,
-            cupy.int32(has_limits),
-            cupy.int32(causal),
-            cupy.int32(n),
-            cupy.int32(m),
-            cupy.int32(row_blocks),
-            query.dtype.type(scale),
-        ),
-    )
+    # Without limits the kernel reads none: any int32 array will do.
+    limits = cupy.ascontiguousarray(limits, dtype=cupy.int32) if has_limits else cupy.empty((1,), dtype=cupy.int32)
+    _kernel(flash)(*launch(flash, query, key, value, output, limits, scale, causal, has_limits=has_limits))
     return output
+
+
+def launch(
+    flash: FlashPlan,
+    query: Any,
+    key: Any,
+    value: Any,
+    output: Any,
+    limits: Any,
+    scale: float,
+    causal: bool,
+    *,
+    has_limits: bool,
+) -> tuple[tuple[int], tuple[int], tuple[Any, ...]]:
+    """``(grid, block, arguments)`` of the kernel's launch on C-ordered
+    arrays laid out as :func:`attend` lays them out, ``limits`` an int32
+    array (read where ``has_limits``).  Written from their shapes alone, so
+    that the tests launch the same source on the CPU
+    (``tests/cuda_on_cpu.py``)."""
+    slices, n, m = query.shape[0], query.shape[1], key.shape[1]
+    row_blocks = -(-n // flash.block_queries)
+    arguments = (query, key, value, output, limits, *map(numpy.int32, (has_limits, causal, n, m, row_blocks)))
+    return (slices * row_blocks,), (flash.rows,), (*arguments, query.dtype.type(scale))

@@ -9,7 +9,10 @@ it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import array_api_compat.numpy as xp
+import cuda_on_cpu
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,6 +20,8 @@ from hypothesis import strategies as st
 
 from attnx_backends import cupy_attention, cupy_backend, cupy_cudnn, cupy_flash
 from attnx_conformance import reference
+
+needs_compiler = pytest.mark.skipif(cuda_on_cpu.UNAVAILABLE is not None, reason=str(cuda_on_cpu.UNAVAILABLE))
 
 
 def numpy_row_softmax(scores, limits, first_key):
@@ -141,6 +146,38 @@ def test_blocks_compute_the_reference(
     assert got.dtype == dtype and got.shape == expected.shape
     tolerance = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance)
+
+
+@needs_compiler
+@settings(max_examples=60, deadline=None)
+@given(
+    count=st.integers(1, 4),
+    width=st.sampled_from([1, 7, 31, 32, 33, 200, 257, 600]),
+    limits=st.sampled_from([None, "rows"]),
+    first_key=st.integers(0, 40),
+    special=st.sampled_from([None, "minus_infinity", "nan"]),
+    dtype_name=st.sampled_from(["float32", "float64"]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_row_softmax_kernel_keeps_its_contract(count, width, limits, first_key, special, dtype_name, seed):
+    """The row softmax's CUDA source on the CPU against its contract
+    (:func:`numpy_row_softmax`): rows narrower and wider than a block of
+    threads, limits before the first key, inside the row and past it, rows
+    of only ``-inf`` and a NaN."""
+    rng = np.random.default_rng(seed)
+    scores = rng.standard_normal((count, width)).astype(dtype_name) * 4
+    if special == "minus_infinity":
+        scores[0] = -np.inf
+    elif special == "nan":
+        scores[-1, rng.integers(width)] = np.nan
+    row_limits = None if limits is None else rng.integers(first_key - 3, first_key + width + 3, size=count)
+    expected_scores = scores.copy()
+    expected = numpy_row_softmax(expected_scores, row_limits, first_key)
+    got = cpu_row_softmax(scores, row_limits, first_key)
+    tolerance = 1e-6 if dtype_name == "float32" else 1e-14
+    np.testing.assert_allclose(scores, expected_scores, rtol=tolerance, atol=tolerance)
+    for got_part, expected_part in zip(got, expected):
+        np.testing.assert_allclose(got_part, expected_part, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize(
@@ -276,6 +313,39 @@ def _plan(dtype, rows, keys, queries=1):
     return cupy_flash.FlashPlan(np.dtype(dtype).name, 0, 0, rows, keys, queries)
 
 
+# The kernels' own CUDA source, run on the CPU (tests/cuda_on_cpu.py): what
+# NVRTC compiles on a GPU, launched as cupy_flash.attend and
+# cupy_attention.cupy_row_softmax launch it, over NumPy arrays.
+
+
+def cpu_flash_kernel(flash, query, key, value, limits, scale, causal=False):
+    """:func:`cupy_flash.attend` with NumPy's arrays: the kernel's source for
+    ``flash``'s tiles at the call's features, launched on the CPU."""
+    flash = dataclasses.replace(flash, d_k=query.shape[-1], d_v=value.shape[-1])
+    query, key, value = (np.ascontiguousarray(array) for array in (query, key, value))
+    output = np.empty((*query.shape[:2], flash.d_v), dtype=query.dtype)
+    has_limits = limits is not None
+    limits = np.ascontiguousarray(limits, dtype=np.int32) if has_limits else np.empty((1,), dtype=np.int32)
+    kernel = cuda_on_cpu.RawKernel(cupy_flash.kernel_source(flash), cupy_flash.kernel_name(flash))
+    kernel(*cupy_flash.launch(flash, query, key, value, output, limits, scale, causal, has_limits=has_limits))
+    return output
+
+
+def cpu_row_softmax(scores, limits, first_key):
+    """:func:`cupy_attention.cupy_row_softmax` with NumPy's arrays, the
+    kernel launched on the CPU."""
+    maxima, divisors = (np.empty(scores.shape[:1], dtype=scores.dtype) for _ in range(2))
+    has_limits = limits is not None
+    limits = np.ascontiguousarray(limits, dtype=np.int32) if has_limits else np.empty((1,), dtype=np.int32)
+    name = scores.dtype.name
+    kernel = cuda_on_cpu.RawKernel(cupy_attention.kernel_source(name), f"row_softmax_{name}")
+    kernel(*cupy_attention.row_softmax_launch(scores, maxima, divisors, limits, first_key, has_limits=has_limits))
+    return maxima, divisors
+
+
+FLASH_KERNELS = [numpy_flash_kernel, pytest.param(cpu_flash_kernel, marks=needs_compiler)]
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     batch=st.sampled_from([(), (1,), (3,), (2, 3)]),
@@ -289,10 +359,12 @@ def _plan(dtype, rows, keys, queries=1):
     keys_batch=st.sampled_from(["same", "none", "last", "ones"]),
     seed=st.integers(0, 2**16),
 )
-def test_the_fused_kernels_algorithm_computes_the_reference(
-    batch, n, m, is_causal, lengths, tiles, scale, dtype, keys_batch, seed
+@pytest.mark.parametrize("kernel", FLASH_KERNELS)
+def test_the_fused_kernel_computes_the_reference(
+    kernel, batch, n, m, is_causal, lengths, tiles, scale, dtype, keys_batch, seed
 ):
-    """Blocks of rows and tiles of keys of every size against the float64
+    """The kernel's algorithm in NumPy, and its CUDA source on the CPU:
+    blocks of rows and tiles of keys of every size against the float64
     reference: causal calls with ``n`` above and below ``m``, key lengths of
     each layout (rows with no key get zeros), keys and values shared by
     every slice, a scale that is a float (the kernel's) or an array (folded
@@ -305,7 +377,7 @@ def test_the_fused_kernels_algorithm_computes_the_reference(
     expected, _ = reference.scaled_dot_product_attention(query, key, value, allowed=allowed, scale=0.7)
     got = cupy_attention.attend_fused(
         xp,
-        numpy_flash_kernel,
+        kernel,
         _plan(dtype, *tiles),
         query=query,
         key=key,
@@ -320,7 +392,8 @@ def test_the_fused_kernels_algorithm_computes_the_reference(
     np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance)
 
 
-def test_a_row_whose_scores_are_all_minus_infinity_gets_zeros_and_a_nan_propagates():
+@pytest.mark.parametrize("kernel", FLASH_KERNELS)
+def test_a_row_whose_scores_are_all_minus_infinity_gets_zeros_and_a_nan_propagates(kernel):
     """The shift of a row with no finite score yet is 0, so that its
     exponentials weigh 0 (exp(-inf + inf) would be NaN): attnx's zeros.  A
     NaN score makes its row NaN, as in attnx's algorithm."""
@@ -330,21 +403,22 @@ def test_a_row_whose_scores_are_all_minus_infinity_gets_zeros_and_a_nan_propagat
     key = np.abs(np.random.default_rng(7).standard_normal((1, 40, 2))) + 0.5
     value = np.ones((1, 40, 2))
     for tiles in ((32, 32), (1, 8)):
-        got = numpy_flash_kernel(_plan(np.float64, *tiles), query, key, value, None, 1.0)
+        got = kernel(_plan(np.float64, *tiles), query, key, value, None, 1.0)
         assert np.array_equal(got[0, 0], [0.0, 0.0])
         assert np.isnan(got[0, 1]).all()
         np.testing.assert_allclose(got[0, 2], [1.0, 1.0])
 
 
-def test_a_fused_kernel_that_drops_the_limits_fails():
+@pytest.mark.parametrize("kernel", FLASH_KERNELS)
+def test_a_fused_kernel_that_drops_the_limits_fails(kernel):
     """The test above can fail: a kernel that ignored the causal rule would."""
     query = np.ones((1, 4, 2))
     key = value = np.arange(8.0).reshape(1, 4, 2)
     arguments = dict(query=query, key=key, value=value, key_lengths=None, is_causal=True, scale=1.0)
     plan = _plan(np.float64, 32, 32)
-    right = cupy_attention.attend_fused(xp, numpy_flash_kernel, plan, **arguments, batch_shape=(1,))
+    right = cupy_attention.attend_fused(xp, kernel, plan, **arguments, batch_shape=(1,))
     wrong = cupy_attention.attend_fused(
-        xp, lambda *args: numpy_flash_kernel(*args[:4], None, args[5], False), plan, **arguments, batch_shape=(1,)
+        xp, lambda *args: kernel(*args[:4], None, args[5], False), plan, **arguments, batch_shape=(1,)
     )
     assert not np.allclose(right, wrong)
 
