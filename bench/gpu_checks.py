@@ -1,7 +1,7 @@
 """The GPU items of ``docs/archive/bench-sessions.md`` ("For the next lent GPU"), timed in
 one process against baselines measured in the same run.
 
-    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs] [masks] [host_profile] [flash] [flash_outputs] [flash_times] [flash_rule] [flash_queries] [cudnn_outputs] [cudnn_times] [cudnn_vjp] [decode_times] [launch_cost] [vjp]   # on a machine with CUDA, CuPy and PyTorch
+    python bench/gpu_checks.py [window] [family] [jax] [additive] [breakdown] [native] [native_outputs] [masks] [host_profile] [flash] [flash_outputs] [flash_times] [flash_rule] [flash_queries] [cudnn_outputs] [cudnn_times] [cudnn_vjp] [decode_times] [launch_cost] [vjp] [tiled_outputs] [tiled_times]   # on a machine with CUDA, CuPy and PyTorch
 
 Each row is :func:`attnx.benchmark.run_case`, as ``attnx bench`` times it
 (the median of at least 5 synchronised calls and 0.25 s, and the peak
@@ -41,6 +41,10 @@ the plan attnx made before the change measured:
   memory against PyTorch's autograd); ``attnx.vjp`` in float32 and float64
   (``vjp``); the cost of a launch (``launch_cost``); decoding, float32 in
   attend's blocks against the fused kernel (``decode_times``).
+- the tiled fused kernel (``attnx_backends.cupy_tiled``, float32, a
+  thread's 4 x 4 scores): its outputs against the float64 reference
+  (``tiled_outputs``), its time against the fused kernel of a query a
+  thread and PyTorch's SDPA on issue 61's shapes (``tiled_times``).
 
 The window's anchor is PyTorch's compiled FlexAttention, in the same run.
 Dask arrays of CuPy chunks are checked by ``tests/test_dask_cupy.py``.
@@ -1151,6 +1155,93 @@ def vjp() -> None:
             vjp_against_torch(f"vjp {label}", (batch, 8, size, 64), causal, "float32", repeat=5)
 
 
+TILED_CASES = (
+    # (slices, n, m, d_k, d_v, causal, key lengths)
+    (8, 2048, 2048, 64, 64, False, False),
+    (8, 2048, 2048, 64, 64, True, False),
+    (3, 100, 77, 64, 48, False, True),  # blocks and tiles cut short, lengths of 0 included
+    (2, 5, 300, 128, 128, True, False),  # causal with n < m: the last queries' keys
+    (2, 300, 5, 33, 7, True, True),  # n > m: queries before the first key get zeros
+    (16, 1024, 1024, 128, 128, True, True),
+    (1, 1, 4096, 64, 64, False, False),  # decoding: one query
+)
+
+
+def tiled_outputs() -> None:
+    """The tiled fused kernel (``attnx_backends.cupy_tiled``, float32) on the
+    GPU against the float64 reference from the same inputs: its blocks and
+    tiles cut short, causal calls with n above and below m, key lengths."""
+    import cupy as cp
+    import numpy as np
+
+    from attnx_backends import cupy_tiled
+    from attnx_conformance import reference
+
+    rng = np.random.default_rng(61)
+    for slices, n, m, d_k, d_v, causal, lengths in TILED_CASES:
+        name = f"cupy tiled ({slices}, {n}, {m}, {d_k}, {d_v}) causal={causal} lengths={lengths}"
+        try:
+            q, k = (rng.standard_normal((slices, rows, d_k)).astype(np.float32) for rows in (n, m))
+            v = rng.standard_normal((slices, m, d_v)).astype(np.float32)
+            limits = rng.integers(0, m + 1, size=(slices, n)).astype(np.int32) if lengths else None
+            if limits is not None:
+                limits[0, : min(n, 3)] = 0
+            got = cupy_tiled.attend(
+                cupy_tiled.plan("float32", d_k, d_v, n, m, slices),
+                *(cp.asarray(a) for a in (q, k, v)),
+                None if limits is None else cp.asarray(limits),
+                d_k**-0.5,
+                causal,
+            )
+            allowed = reference.allowed_mask(n, m, batch_shape=(slices,), is_causal=causal)
+            if limits is not None:
+                allowed = allowed & (np.arange(m) < limits[..., None])
+            want, _ = reference.scaled_dot_product_attention(q, k, v, allowed=allowed, scale=d_k**-0.5)
+            got = cp.asnumpy(got)
+            line = {"row": name, "max_abs_error": float(np.max(np.abs(got - want))), "nan": bool(np.isnan(got).any())}
+        except Exception as exc:
+            line = {"row": name, "error": repr(exc)[:500]}
+        print(json.dumps(line), flush=True)
+
+
+def tiled_times() -> None:
+    """Issue 61's float32 shapes: the tiled fused kernel against the fused
+    kernel of a query a thread (``cupy_flash``) on the same laid-out
+    arrays, and PyTorch's SDPA, each call waited for, in this process."""
+    from functools import partial
+
+    import cupy as cp
+    import torch
+
+    from attnx_backends import cupy_flash, cupy_tiled
+
+    for batch, size, d in ((1, 2048, 64), (1, 8192, 64), (1, 2048, 128), (1, 8192, 128), (16, 1024, 64), (1, 128, 64)):
+        slices = batch * 8
+        q, k, v = (cp.random.standard_normal((slices, size, d), dtype=cp.float32) for _ in range(3))
+        tq, tk, tv = (torch.as_tensor(a, device="cuda").reshape(batch, 8, size, d) for a in (q, k, v))
+        tiled = cupy_tiled.plan("float32", d, d, size, size, slices)
+        flash = cupy_flash.plan("float32", d, d, size, size, slices)
+        for causal in (False, True):
+            label = f"({batch}, 8, {size}, {d}) causal={causal} float32"
+            line = {"row": f"tiled {label}", "kernel": cupy_tiled.kernel_name(tiled)}
+            try:
+                sdpa = torch.nn.functional.scaled_dot_product_attention
+                line["torch_ms"] = synchronized_ms(partial(sdpa, tq, tk, tv, is_causal=causal), torch.cuda.synchronize)
+                wait = cp.cuda.Device().synchronize
+                line["tiled_ms"] = synchronized_ms(
+                    partial(cupy_tiled.attend, tiled, q, k, v, None, d**-0.5, causal), wait
+                )
+                if flash is not None:
+                    name = cupy_flash.kernel_name(flash) + "_ms"
+                    line[name] = synchronized_ms(
+                        partial(cupy_flash.attend, flash, q, k, v, None, d**-0.5, causal), wait
+                    )
+                line["tiled_over_torch"] = round(line["tiled_ms"] / line["torch_ms"], 3)
+            except Exception as exc:
+                line["error"] = repr(exc)[:500]
+            print(json.dumps(line), flush=True)
+
+
 if __name__ == "__main__":
     functions = {
         "window": window,
@@ -1173,6 +1264,8 @@ if __name__ == "__main__":
         "launch_cost": launch_cost,
         "decode_times": decode_times,
         "vjp": vjp,
+        "tiled_outputs": tiled_outputs,
+        "tiled_times": tiled_times,
     }
     for stage in sys.argv[1:] or ["window", "family"]:  # in the order named: the first is the surest to finish
         try:

@@ -40,7 +40,7 @@ HEADER = Path(__file__).with_name("cuda_on_cpu.h")
 COMPILER = shutil.which("g++")
 #: Why the kernels can't run here, or None where they can.
 UNAVAILABLE = None if COMPILER else "no C++ compiler (g++) on this machine to run CUDA kernels on the CPU"
-FLAGS = ("-std=c++20", "-O1", "-fPIC", "-pthread", "-Wno-unknown-pragmas")
+FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-fPIC", "-pthread", "-Wno-unknown-pragmas")
 #: Bytes of guard on each side of an array.
 GUARD = 64
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnx_backends import cupy_attention, cupy_backend, cupy_cudnn, cupy_flash
+from attnx_backends import cupy_attention, cupy_backend, cupy_cudnn, cupy_flash, cupy_tiled
 from attnx_conformance import reference
 
 needs_compiler = pytest.mark.skipif(cuda_on_cpu.UNAVAILABLE is not None, reason=str(cuda_on_cpu.UNAVAILABLE))
@@ -146,6 +146,120 @@ def test_blocks_compute_the_reference(
     assert got.dtype == dtype and got.shape == expected.shape
     tolerance = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance)
+
+
+def cpu_tiled_kernel(tiled, query, key, value, limits, scale, causal=False):
+    """:func:`cupy_tiled.attend` with NumPy's arrays, launched on the CPU."""
+    query, key, value = (np.ascontiguousarray(array) for array in (query, key, value))
+    output = np.empty((*query.shape[:2], tiled.d_v), dtype=query.dtype)
+    has_limits = limits is not None
+    limits = np.ascontiguousarray(limits, dtype=np.int32) if has_limits else np.empty((1,), dtype=np.int32)
+    grid, block, arguments = cupy_tiled.launch(
+        tiled, query, key, value, output, limits, scale, causal, has_limits=has_limits
+    )
+    kernel = cuda_on_cpu.RawKernel(cupy_tiled.kernel_source(tiled), cupy_tiled.kernel_name(tiled))
+    kernel(grid, block, arguments, shared_mem=tiled.shared_bytes)
+    return output
+
+
+@needs_compiler
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.sampled_from([(), (2,), (2, 3)]),
+    n=st.sampled_from([1, 2, 63, 64, 65, 150]),
+    m=st.sampled_from([1, 5, 31, 32, 33, 100]),
+    features=st.sampled_from([(3, 2), (64, 40), (33, 64), (128, 128)]),
+    is_causal=st.booleans(),
+    lengths=st.sampled_from([None, "sequence", "query"]),
+    keys_batch=st.sampled_from(["same", "none"]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_tiled_kernel_computes_the_reference(batch, n, m, features, is_causal, lengths, keys_batch, seed):
+    """The tiled fused kernel's CUDA source on the CPU against the float64
+    reference: blocks of 64 queries and tiles of 32 keys cut short or not,
+    causal calls with ``n`` above and below ``m`` (the blocks of the last
+    queries first), key lengths per sequence and per query (rows with no key
+    get zeros), keys shared by the batch, features that fill no vector and
+    128 of them (shared memory past CUDA's default 48 KiB)."""
+    rng = np.random.default_rng(seed)
+    d_k, d_v = features
+    query = rng.standard_normal((*batch, n, d_k)).astype(np.float32)
+    key_batch = batch if keys_batch == "same" else ()
+    key = rng.standard_normal((*key_batch, m, d_k)).astype(np.float32)
+    value = rng.standard_normal((*key_batch, m, d_v)).astype(np.float32)
+    key_lengths = None
+    if lengths == "sequence":
+        key_lengths = rng.integers(0, m + 1, size=batch)
+    elif lengths == "query":
+        key_lengths = rng.integers(0, m + 1, size=(*batch, n))
+    allowed = reference.allowed_mask(
+        n, m, batch_shape=batch, key_lengths=key_lengths, lengths_per=lengths or "sequence", is_causal=is_causal
+    )
+    expected, _ = reference.scaled_dot_product_attention(query, key, value, allowed=allowed, scale=d_k**-0.5)
+    got = cupy_attention.attend_fused(
+        xp,
+        cpu_tiled_kernel,
+        cupy_tiled.plan("float32", d_k, d_v, n, m, max(1, int(np.prod(batch)))),
+        query=query,
+        key=key,
+        value=value,
+        key_lengths=key_lengths,
+        is_causal=is_causal,
+        scale=d_k**-0.5,
+        batch_shape=batch,
+    )
+    assert got.dtype == np.float32 and got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_the_tiled_kernel_gives_zeros_to_rows_of_minus_infinity_and_propagates_a_nan():
+    """As :mod:`cupy_flash`: a NaN score makes its row NaN (the 8 threads
+    that share a query join their maxima, NaN included); with its key left
+    out, a row whose scores are all ``-inf`` gets zeros (its shift is 0) and
+    the others attnx's values."""
+    rng = np.random.default_rng(3)
+    query = np.ones((1, 70, 8), dtype=np.float32)
+    query[0, 0] = -np.inf  # scores of -inf against positive keys
+    key = (np.abs(rng.standard_normal((1, 40, 8))) + 0.5).astype(np.float32)
+    key[0, 37, 5] = np.nan  # the NaN in the second tile, in a thread other than the first
+    value = rng.standard_normal((1, 40, 8)).astype(np.float32)
+    tiled = cupy_tiled.plan("float32", 8, 8, 70, 40, 1)
+    got = cpu_tiled_kernel(tiled, query, key, value, None, 1.0)
+    assert np.isnan(got).all()  # every row attends the NaN's key
+    limits = np.full((1, 70), 37, dtype=np.int32)  # the NaN's key left out: finite rows
+    got = cpu_tiled_kernel(tiled, query, key, value, limits, 1.0)
+    expected, _ = reference.scaled_dot_product_attention(query[:, 1:], key[:, :37], value[:, :37], scale=1.0)
+    assert np.array_equal(got[0, 0], np.zeros(8))
+    np.testing.assert_allclose(got[:, 1:], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("dtype_name", "d_k", "d_v", "n", "m", "shared_bytes"),
+    [
+        ("float32", 64, 64, 8192, 8192, 43_520),  # within CUDA's default 48 KiB
+        ("float32", 128, 128, 8192, 8192, 76_288),  # past it: asked for at the kernel's making
+        ("float32", 3, 2, 1, 1, 4 * (64 * 8 + 32 * 8 + 32 * 32 + 64 * 36)),  # features padded: 4 for keys, 32 values
+        ("float32", 128, 1, 5, 5, 4 * (64 * 132 + 32 * 132 + 32 * 32 + 64 * 36)),
+    ],
+)
+def test_tiled_plan(dtype_name, d_k, d_v, n, m, shared_bytes):
+    assert cupy_tiled.plan(dtype_name, d_k, d_v, n, m, 8).shared_bytes == shared_bytes
+
+
+@pytest.mark.parametrize(
+    ("dtype_name", "d_k", "d_v", "n", "m", "slices"),
+    [
+        ("float64", 64, 64, 100, 100, 8),  # float32 only: cupy_flash takes float64
+        ("float16", 64, 64, 100, 100, 8),
+        ("float32", 129, 64, 100, 100, 8),  # a thread's outputs past its registers
+        ("float32", 64, 129, 100, 100, 8),
+        ("float32", 64, 64, 2**31 - 64, 100, 1),  # positions past int32
+        ("float32", 64, 64, 2**20, 100, 2**17),  # a grid past CUDA's
+    ],
+)
+def test_tiled_plan_declines(dtype_name, d_k, d_v, n, m, slices):
+    assert cupy_tiled.plan(dtype_name, d_k, d_v, n, m, slices) is None
 
 
 @needs_compiler

@@ -1,0 +1,319 @@
+"""The CuPy backend's fused attention in shared tiles: float32, each thread
+a 4 x 4 tile of scores.
+
+:mod:`cupy_flash` gives each thread one query and walks a tile of keys
+read from shared memory: every vector of a key it reads serves four
+multiply-adds, and 232 registers a thread (a query's output of 64 or 128
+features in registers) leave a multiprocessor two blocks of 128 threads.
+On an H200 it takes 1.4x-2.9x PyTorch's SDPA in float32 (ninth GPU run).
+
+Here a block of 128 threads holds :data:`BLOCK_QUERIES` (64) queries and
+walks the keys in tiles of :data:`TILE_KEYS` (32), FlashAttention's way
+on the float units, the products tiled as a matrix product's are:
+
+- each thread computes 4 queries' scores against 4 keys (the queries
+  ``ty + 16 r``, the keys ``tx + 8 c``: neighbouring threads read
+  neighbouring rows of shared memory, whose rows are padded by a vector
+  so that they fall in different banks), a vector of 4 features of each
+  read once for 4 products: 64 multiply-adds for 8 loads;
+- the 8 threads that share a query (neighbouring lanes of one warp) join
+  its tile's maximum by shuffles; each keeps its own part of the sum
+  (the online softmax's correction is the same for all 8), joined once at
+  the end;
+- the tile's exponentials go to shared memory, and each thread multiplies
+  its 4 queries' weights by 4 keys' values at a time into its outputs: the
+  value features ``tx * 4 + 32 q``, a vector each.
+
+The contract is :mod:`cupy_flash`'s (:func:`attend`): no ``mask``, the
+causal rule applied in the kernel, ``key_lengths`` as each query's count of
+keys, a row with no key gets zeros and a NaN score its row's NaN.  Its
+source runs on the CPU in the tests (``tests/cuda_on_cpu.py``); ptxas
+(CUDA 13, sm_90) gives it 138 registers at 64 features and 168 at 128,
+none spilled (:data:`REGISTERS`).  It joins the
+route when a GPU has timed it against :mod:`cupy_flash` and the blocks
+(``bench/gpu_checks.py tiled_outputs tiled_times``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import numpy
+
+TILED_SOURCE = r"""
+#define THREADS 128
+#define ROW_GROUPS 16                   // threads ty: queries ty + 16 r
+#define KEY_GROUPS 8                    // threads tx: keys tx + 8 c, value features tx * 4 + 32 q
+#define RM 4                            // a thread's queries
+#define CN 4                            // a thread's keys of a tile
+#define BQ (ROW_GROUPS * RM)            // a block's queries
+#define BK (KEY_GROUPS * CN)            // a tile's keys
+#define QS (DP + 4)                     // a row of queries or keys in shared memory, padded by a vector
+#define PS (BK + 4)                     // a row of weights
+#define VQ (DVP / 32)                   // a thread's vectors of output features
+
+__device__ __forceinline__ float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+__device__ __forceinline__ float part(const float4& v, int c) { return reinterpret_cast<const float*>(&v)[c]; }
+
+extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
+        const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value,
+        float* __restrict__ output, const int* __restrict__ limits, const int has_limits, const int causal,
+        const int n, const int m, const int row_blocks, const float scale) {
+    extern __shared__ __align__(16) float shared[];
+    float* queries = shared;                 // [BQ][QS]
+    float* keys = queries + BQ * QS;         // [BK][QS]
+    float* values = keys + BK * QS;          // [BK][DVP]
+    float* weights = values + BK * DVP;      // [BQ][PS]
+    __shared__ int block_stop;
+    const float minus_infinity = __int_as_float(0xff800000);
+    const int t = threadIdx.x, ty = t / KEY_GROUPS, tx = t % KEY_GROUPS;
+    const long long slice = blockIdx.x / row_blocks;
+    // The blocks of a slice's last queries first: under the causal rule they have the most keys.
+    const int first_row = (row_blocks - 1 - (int)(blockIdx.x % row_blocks)) * BQ;
+    const float* q = query + (slice * n + first_row) * D;
+    const float* k = key + slice * m * D;
+    const float* v = value + slice * m * DV;
+
+    for (int i = t; i < BQ * DP; i += THREADS) {
+        const int r = i / DP, e = i % DP;
+        queries[r * QS + e] = (first_row + r < n && e < D) ? q[(long long)r * D + e] * scale : 0.0f;
+    }
+    if (t == 0) block_stop = 0;
+    __syncthreads();
+    int limit[RM];
+#pragma unroll
+    for (int r = 0; r < RM; ++r) {
+        const int row = first_row + ty + ROW_GROUPS * r;
+        limit[r] = m;
+        if (has_limits) {
+            limit[r] = row < n ? limits[slice * n + row] : 0;
+            limit[r] = limit[r] < 0 ? 0 : (limit[r] > m ? m : limit[r]);
+        }
+        if (causal) {  // attnx's alignment: query i attends the keys j <= i + m - n
+            const int keys_seen = row + 1 + m - n;
+            limit[r] = keys_seen < 0 ? 0 : (keys_seen < limit[r] ? keys_seen : limit[r]);
+        }
+        if (row >= n) limit[r] = 0;
+        else atomicMax(&block_stop, limit[r]);
+    }
+    __syncthreads();
+    const int stop = block_stop;
+
+    float most[RM], partial[RM], out[RM][4 * VQ];
+#pragma unroll
+    for (int r = 0; r < RM; ++r) {
+        most[r] = minus_infinity;
+        partial[r] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 4 * VQ; ++e) out[r][e] = 0.0f;
+    }
+
+    for (int first_key = 0; first_key < stop; first_key += BK) {
+        __syncthreads();  // the last tile's reads are done
+        for (int i = t; i < BK * DP; i += THREADS) {
+            const int j = i / DP, e = i % DP;
+            keys[j * QS + e] = (first_key + j < m && e < D) ? k[(long long)(first_key + j) * D + e] : 0.0f;
+        }
+        for (int i = t; i < BK * DVP; i += THREADS) {
+            const int j = i / DVP, e = i % DVP;
+            values[j * DVP + e] = (first_key + j < m && e < DV) ? v[(long long)(first_key + j) * DV + e] : 0.0f;
+        }
+        __syncthreads();
+
+        float scores[RM][CN];
+#pragma unroll
+        for (int r = 0; r < RM; ++r)
+#pragma unroll
+            for (int c = 0; c < CN; ++c) scores[r][c] = 0.0f;
+#pragma unroll 4
+        for (int e = 0; e < DP; e += 4) {
+            float4 qv[RM], kv[CN];
+#pragma unroll
+            for (int r = 0; r < RM; ++r) qv[r] = *reinterpret_cast<const float4*>(&queries[(ty + ROW_GROUPS * r) * QS + e]);
+#pragma unroll
+            for (int c = 0; c < CN; ++c) kv[c] = *reinterpret_cast<const float4*>(&keys[(tx + KEY_GROUPS * c) * QS + e]);
+#pragma unroll
+            for (int r = 0; r < RM; ++r)
+#pragma unroll
+                for (int c = 0; c < CN; ++c)
+                    scores[r][c] += qv[r].x * kv[c].x + qv[r].y * kv[c].y + qv[r].z * kv[c].z + qv[r].w * kv[c].w;
+        }
+#pragma unroll
+        for (int r = 0; r < RM; ++r) {
+            float tile_most = most[r];
+#pragma unroll
+            for (int c = 0; c < CN; ++c)
+                if (first_key + tx + KEY_GROUPS * c < limit[r]) tile_most = nan_max(tile_most, scores[r][c]);
+#pragma unroll
+            for (int o = KEY_GROUPS / 2; o > 0; o >>= 1)
+                tile_most = nan_max(tile_most, __shfl_xor_sync(0xffffffff, tile_most, o));
+            // With no finite score yet, shift by 0: exp(-inf - 0) weighs 0 where exp(-inf + inf) is NaN.
+            const float shift = tile_most == minus_infinity ? 0.0f : tile_most;
+            const float correction = expf(most[r] - shift);
+            partial[r] *= correction;
+#pragma unroll
+            for (int e = 0; e < 4 * VQ; ++e) out[r][e] *= correction;
+#pragma unroll
+            for (int c = 0; c < CN; ++c) {
+                const float weight = first_key + tx + KEY_GROUPS * c < limit[r] ? expf(scores[r][c] - shift) : 0.0f;
+                partial[r] += weight;
+                weights[(ty + ROW_GROUPS * r) * PS + tx + KEY_GROUPS * c] = weight;
+            }
+            most[r] = tile_most;
+        }
+        __syncwarp();  // a query's weights come from the 8 lanes of its own warp
+
+#pragma unroll 2
+        for (int j = 0; j < BK; j += 4) {
+            float4 pv[RM];
+#pragma unroll
+            for (int r = 0; r < RM; ++r) pv[r] = *reinterpret_cast<const float4*>(&weights[(ty + ROW_GROUPS * r) * PS + j]);
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+                for (int vq = 0; vq < VQ; ++vq) {
+                    const float4 vv = *reinterpret_cast<const float4*>(&values[(j + jj) * DVP + tx * 4 + 32 * vq]);
+#pragma unroll
+                    for (int r = 0; r < RM; ++r) {
+                        const float p = part(pv[r], jj);
+                        out[r][4 * vq] += p * vv.x;
+                        out[r][4 * vq + 1] += p * vv.y;
+                        out[r][4 * vq + 2] += p * vv.z;
+                        out[r][4 * vq + 3] += p * vv.w;
+                    }
+                }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RM; ++r) {
+        float total = partial[r];
+#pragma unroll
+        for (int o = KEY_GROUPS / 2; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffff, total, o);
+        const int row = first_row + ty + ROW_GROUPS * r;
+        if (row < n) {
+            // A row with no key (its sum 0) gets its zeros divided by 1.
+            const float divisor = total == 0.0f ? 1.0f : total;
+            float* o = output + (slice * n + row) * DV;
+#pragma unroll
+            for (int vq = 0; vq < VQ; ++vq)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const int feature = tx * 4 + 32 * vq + c;
+                    if (feature < DV) o[feature] = out[r][4 * vq + c] / divisor;
+                }
+        }
+    }
+}
+"""
+
+#: A block's threads, the queries it holds and a tile's keys (the source's
+#: THREADS, BQ and BK).
+THREADS = 128
+BLOCK_QUERIES = 64
+TILE_KEYS = 32
+#: The most features a query, key or value may have: a thread's outputs,
+#: 4 queries of 16 features at 128, stay in its registers.
+MAX_FEATURES = 128
+#: Compiled by CUDA 13's ptxas for sm_90 (``nvcc -arch=sm_90 -Xptxas -v``),
+#: the registers a thread uses by its features (queries' and values'
+#: alike), none spilled; at 80 and 96, 128 registers and 8 bytes spilled.
+#: At 64, 138 registers and 43 KiB of shared memory leave a multiprocessor
+#: three blocks (12 warps), where :mod:`cupy_flash` has two.
+REGISTERS = {16: 90, 32: 109, 64: 138, 128: 168}
+
+
+@dataclasses.dataclass(frozen=True)
+class TiledPlan:
+    """A launch of the kernel for queries and keys of ``d_k`` features and
+    values of ``d_v``."""
+
+    d_k: int
+    d_v: int
+
+    @property
+    def padded_k(self) -> int:
+        return -(-self.d_k // 4) * 4
+
+    @property
+    def padded_v(self) -> int:
+        return -(-self.d_v // 32) * 32
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory a block takes: its queries, a tile's keys
+        and values, and the tile's weights."""
+        row = self.padded_k + 4
+        return 4 * (BLOCK_QUERIES * row + TILE_KEYS * row + TILE_KEYS * self.padded_v + BLOCK_QUERIES * (TILE_KEYS + 4))
+
+
+def plan(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int) -> TiledPlan | None:
+    """The kernel's launch for a call, or None where it can't take it: a
+    dtype other than float32, features past :data:`MAX_FEATURES`, positions
+    past its int32 or a grid past CUDA's."""
+    if dtype_name != "float32" or max(d_k, d_v) > MAX_FEATURES or min(d_k, d_v) < 1:
+        return None
+    if max(n, m) >= 2**31 - 2 * BLOCK_QUERIES or slices * -(-n // BLOCK_QUERIES) >= 2**31:
+        return None
+    return TiledPlan(d_k, d_v)
+
+
+def kernel_source(tiled: TiledPlan) -> str:
+    """The kernel's CUDA source for one plan."""
+    sizes = {"D": tiled.d_k, "DV": tiled.d_v, "DP": tiled.padded_k, "DVP": tiled.padded_v}
+    header = "".join(f"#define {name} {size}\n" for name, size in sizes.items())
+    return header + TILED_SOURCE.replace("KERNEL_NAME", kernel_name(tiled))
+
+
+def kernel_name(tiled: TiledPlan) -> str:
+    return f"tiled_float32_{tiled.d_k}_{tiled.d_v}"
+
+
+@functools.cache
+def _kernel(tiled: TiledPlan) -> Any:
+    import cupy
+
+    kernel = cupy.RawKernel(kernel_source(tiled), kernel_name(tiled))
+    if tiled.shared_bytes > 48 * 1024:  # past CUDA's default, asked for
+        kernel.max_dynamic_shared_size_bytes = tiled.shared_bytes
+    return kernel
+
+
+def attend(tiled: TiledPlan, query: Any, key: Any, value: Any, limits: Any, scale: float, causal: bool = False) -> Any:
+    """:func:`cupy_flash.attend`'s contract, in this kernel: CuPy arrays
+    ``(slices, n, d_k)``, ``(slices, m, d_k)`` and ``(slices, m, d_v)`` in
+    float32, ``limits`` ``(slices, n)`` or None, the causal rule applied in
+    the kernel where ``causal``: ``(slices, n, d_v)``, one launch."""
+    import cupy
+
+    query, key, value = (cupy.ascontiguousarray(array) for array in (query, key, value))
+    output = cupy.empty((query.shape[0], query.shape[1], tiled.d_v), dtype=query.dtype)
+    has_limits = limits is not None
+    # Without limits the kernel reads none: any int32 array will do.
+    limits = cupy.ascontiguousarray(limits, dtype=cupy.int32) if has_limits else cupy.empty((1,), dtype=cupy.int32)
+    grid, block, arguments = launch(tiled, query, key, value, output, limits, scale, causal, has_limits=has_limits)
+    _kernel(tiled)(grid, block, arguments, shared_mem=tiled.shared_bytes)
+    return output
+
+
+def launch(
+    tiled: TiledPlan,
+    query: Any,
+    key: Any,
+    value: Any,
+    output: Any,
+    limits: Any,
+    scale: float,
+    causal: bool,
+    *,
+    has_limits: bool,
+) -> tuple[tuple[int], tuple[int], tuple[Any, ...]]:
+    """``(grid, block, arguments)`` of the kernel's launch on C-ordered
+    arrays laid out as :func:`attend` lays them out (its shared memory is
+    :attr:`TiledPlan.shared_bytes`), from their shapes alone, so that the
+    tests launch the same source on the CPU (``tests/cuda_on_cpu.py``)."""
+    slices, n, m = query.shape[0], query.shape[1], key.shape[1]
+    row_blocks = -(-n // BLOCK_QUERIES)
+    arguments = (query, key, value, output, limits, *map(numpy.int32, (has_limits, causal, n, m, row_blocks)))
+    return (slices * row_blocks,), (THREADS,), (*arguments, numpy.float32(scale))
