@@ -2,27 +2,28 @@
 a 4 x 4 tile of scores.
 
 :mod:`cupy_flash` gives each thread one query and walks a tile of keys
-read from shared memory: every vector of a key it reads serves four
-multiply-adds, and 232 registers a thread (a query's output of 64 or 128
-features in registers) leave a multiprocessor two blocks of 128 threads.
-On an H200 it takes 1.4x-2.9x PyTorch's SDPA in float32 (ninth GPU run).
+read from shared memory: every vector of 4 features it reads, of a key or
+a value, serves 4 multiply-adds.  On an H200 it takes 1.4x-2.9x PyTorch's
+SDPA in float32 (ninth GPU run).
 
-Here a block of 128 threads holds :data:`BLOCK_QUERIES` (64) queries and
-walks the keys in tiles of :data:`TILE_KEYS` (32), FlashAttention's way
+Here a block of 128 threads holds 64 queries and walks the keys in tiles
+of 32 (:data:`TILE_CHOICES`: 4 queries and 4 keys a thread), FlashAttention's way
 on the float units, the products tiled as a matrix product's are:
 
 - each thread computes 4 queries' scores against 4 keys (the queries
   ``ty + 16 r``, the keys ``tx + 8 c``: neighbouring threads read
   neighbouring rows of shared memory, whose rows are padded by a vector
   so that they fall in different banks), a vector of 4 features of each
-  read once for 4 products: 64 multiply-adds for 8 loads;
+  read once for 4 products: 64 multiply-adds for 8 loads, twice
+  cupy_flash's share;
 - the 8 threads that share a query (neighbouring lanes of one warp) join
   its tile's maximum by shuffles; each keeps its own part of the sum
   (the online softmax's correction is the same for all 8), joined once at
   the end;
 - the tile's exponentials go to shared memory, and each thread multiplies
   its 4 queries' weights by 4 keys' values at a time into its outputs: the
-  value features ``tx * 4 + 32 q``, a vector each.
+  value features ``tx * 4 + 32 q``, a vector each (at 64 features, 128
+  multiply-adds for 12 loads).
 
 The contract is :mod:`cupy_flash`'s (:func:`attend`): no ``mask``, the
 causal rule applied in the kernel, ``key_lengths`` as each query's count of
@@ -46,8 +47,6 @@ TILED_SOURCE = r"""
 #define THREADS 128
 #define ROW_GROUPS 16                   // threads ty: queries ty + 16 r
 #define KEY_GROUPS 8                    // threads tx: keys tx + 8 c, value features tx * 4 + 32 q
-#define RM 4                            // a thread's queries
-#define CN 4                            // a thread's keys of a tile
 #define BQ (ROW_GROUPS * RM)            // a block's queries
 #define BK (KEY_GROUPS * CN)            // a tile's keys
 #define QS (DP + 4)                     // a row of queries or keys in shared memory, padded by a vector
@@ -208,19 +207,27 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
 }
 """
 
-#: A block's threads, the queries it holds and a tile's keys (the source's
-#: THREADS, BQ and BK).
+#: A block's threads (the source's THREADS): 16 groups of rows by 8 of keys.
 THREADS = 128
-BLOCK_QUERIES = 64
-TILE_KEYS = 32
-#: The most features a query, key or value may have: a thread's outputs,
-#: 4 queries of 16 features at 128, stay in its registers.
+#: The most features a query, key or value may have.
 MAX_FEATURES = 128
+#: A thread's (queries, keys of a tile), first first: the first whose
+#: outputs and scores fit :data:`REGISTER_FLOATS`.  Until a GPU has timed
+#: them (``bench/gpu_checks.py tiled_times``), 4 x 4: blocks of 64
+#: queries, tiles of 32 keys.
+TILE_CHOICES = ((4, 4),)
+#: A thread's outputs and a tile's scores, in floats: 4 queries of 128
+#: value features and 8 keys (96 floats) compile to 210 registers.
+REGISTER_FLOATS = 96
+#: Shared memory a block may ask for (sm_80 and sm_90 let a kernel ask for
+#: up to 227 KiB; CUDA gives 48 KiB unasked).
+SHARED_LIMIT = 163 * 1024
 #: Compiled by CUDA 13's ptxas for sm_90 (``nvcc -arch=sm_90 -Xptxas -v``),
 #: the registers a thread uses by its features (queries' and values'
-#: alike), none spilled; at 80 and 96, 128 registers and 8 bytes spilled.
-#: At 64, 138 registers and 43 KiB of shared memory leave a multiprocessor
-#: three blocks (12 warps), where :mod:`cupy_flash` has two.
+#: alike) in tiles of 4 x 4, none spilled; at 80 and 96, 128 registers and
+#: 8 bytes spilled.  At 64, 138 registers and 43 KiB of shared memory leave
+#: a multiprocessor three blocks (12 warps), as :mod:`cupy_flash`'s 136 and
+#: 39 KiB do.  In tiles of 2 x 8: 72 registers at 64 features, 124 at 128.
 REGISTERS = {16: 90, 32: 109, 64: 138, 128: 168}
 
 
@@ -231,6 +238,18 @@ class TiledPlan:
 
     d_k: int
     d_v: int
+    #: A thread's queries, and its keys of a tile: a block holds 16 times
+    #: the first, a tile 8 times the second.
+    rows_per_thread: int = 4
+    keys_per_thread: int = 4
+
+    @property
+    def block_queries(self) -> int:
+        return 16 * self.rows_per_thread
+
+    @property
+    def tile_keys(self) -> int:
+        return 8 * self.keys_per_thread
 
     @property
     def padded_k(self) -> int:
@@ -244,30 +263,47 @@ class TiledPlan:
     def shared_bytes(self) -> int:
         """Dynamic shared memory a block takes: its queries, a tile's keys
         and values, and the tile's weights."""
-        row = self.padded_k + 4
-        return 4 * (BLOCK_QUERIES * row + TILE_KEYS * row + TILE_KEYS * self.padded_v + BLOCK_QUERIES * (TILE_KEYS + 4))
+        row, queries, keys = self.padded_k + 4, self.block_queries, self.tile_keys
+        return 4 * (queries * row + keys * row + keys * self.padded_v + queries * (keys + 4))
 
 
 def plan(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int) -> TiledPlan | None:
     """The kernel's launch for a call, or None where it can't take it: a
     dtype other than float32, features past :data:`MAX_FEATURES`, positions
-    past its int32 or a grid past CUDA's."""
+    past its int32 or a grid past CUDA's.  Its tiles: the first of
+    :data:`TILE_CHOICES` whose outputs and scores fit a thread's registers
+    and whose block fits :data:`SHARED_LIMIT`."""
     if dtype_name != "float32" or max(d_k, d_v) > MAX_FEATURES or min(d_k, d_v) < 1:
         return None
-    if max(n, m) >= 2**31 - 2 * BLOCK_QUERIES or slices * -(-n // BLOCK_QUERIES) >= 2**31:
-        return None
-    return TiledPlan(d_k, d_v)
+    for rows, keys in TILE_CHOICES:
+        tiled = TiledPlan(d_k, d_v, rows, keys)
+        queries = tiled.block_queries
+        if (
+            rows * (tiled.padded_v // 8 + keys) <= REGISTER_FLOATS
+            and tiled.shared_bytes <= SHARED_LIMIT
+            and max(n, m) < 2**31 - 2 * queries
+            and slices * -(-n // queries) < 2**31
+        ):
+            return tiled
+    return None
 
 
 def kernel_source(tiled: TiledPlan) -> str:
     """The kernel's CUDA source for one plan."""
-    sizes = {"D": tiled.d_k, "DV": tiled.d_v, "DP": tiled.padded_k, "DVP": tiled.padded_v}
+    sizes = {
+        "D": tiled.d_k,
+        "DV": tiled.d_v,
+        "DP": tiled.padded_k,
+        "DVP": tiled.padded_v,
+        "RM": tiled.rows_per_thread,
+        "CN": tiled.keys_per_thread,
+    }
     header = "".join(f"#define {name} {size}\n" for name, size in sizes.items())
     return header + TILED_SOURCE.replace("KERNEL_NAME", kernel_name(tiled))
 
 
 def kernel_name(tiled: TiledPlan) -> str:
-    return f"tiled_float32_{tiled.d_k}_{tiled.d_v}"
+    return f"tiled_float32_{tiled.d_k}_{tiled.d_v}_{tiled.rows_per_thread}x{tiled.keys_per_thread}"
 
 
 @functools.cache
@@ -314,6 +350,6 @@ def launch(
     :attr:`TiledPlan.shared_bytes`), from their shapes alone, so that the
     tests launch the same source on the CPU (``tests/cuda_on_cpu.py``)."""
     slices, n, m = query.shape[0], query.shape[1], key.shape[1]
-    row_blocks = -(-n // BLOCK_QUERIES)
+    row_blocks = -(-n // tiled.block_queries)
     arguments = (query, key, value, output, limits, *map(numpy.int32, (has_limits, causal, n, m, row_blocks)))
     return (slices * row_blocks,), (THREADS,), (*arguments, numpy.float32(scale))

@@ -43,8 +43,9 @@ the plan attnx made before the change measured:
   attend's blocks against the fused kernel (``decode_times``).
 - the tiled fused kernel (``attnx_backends.cupy_tiled``, float32, a
   thread's 4 x 4 scores): its outputs against the float64 reference
-  (``tiled_outputs``), its time against the fused kernel of a query a
-  thread and PyTorch's SDPA on issue 61's shapes (``tiled_times``).
+  (``tiled_outputs``, in each tiling), its time against the fused kernel
+  of a query a thread and PyTorch's SDPA on issue 61's shapes
+  (``tiled_times``).
 
 The window's anchor is PyTorch's compiled FlexAttention, in the same run.
 Dask arrays of CuPy chunks are checked by ``tests/test_dask_cupy.py``.
@@ -53,6 +54,7 @@ Dask arrays of CuPy chunks are checked by ``tests/test_dask_cupy.py``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import sys
 from typing import Any
@@ -1178,16 +1180,20 @@ def tiled_outputs() -> None:
     from attnx_conformance import reference
 
     rng = np.random.default_rng(61)
-    for slices, n, m, d_k, d_v, causal, lengths in TILED_CASES:
-        name = f"cupy tiled ({slices}, {n}, {m}, {d_k}, {d_v}) causal={causal} lengths={lengths}"
+    for (slices, n, m, d_k, d_v, causal, lengths), tiling in itertools.product(TILED_CASES, TILINGS):
+        name = f"cupy tiled {tiling} ({slices}, {n}, {m}, {d_k}, {d_v}) causal={causal} lengths={lengths}"
         try:
             q, k = (rng.standard_normal((slices, rows, d_k)).astype(np.float32) for rows in (n, m))
             v = rng.standard_normal((slices, m, d_v)).astype(np.float32)
             limits = rng.integers(0, m + 1, size=(slices, n)).astype(np.int32) if lengths else None
             if limits is not None:
                 limits[0, : min(n, 3)] = 0
+            with tile_choices((tiling,)):
+                tiled = cupy_tiled.plan("float32", d_k, d_v, n, m, slices)
+            if tiled is None:
+                continue
             got = cupy_tiled.attend(
-                cupy_tiled.plan("float32", d_k, d_v, n, m, slices),
+                tiled,
                 *(cp.asarray(a) for a in (q, k, v)),
                 None if limits is None else cp.asarray(limits),
                 d_k**-0.5,
@@ -1204,10 +1210,27 @@ def tiled_outputs() -> None:
         print(json.dumps(line), flush=True)
 
 
+@contextlib.contextmanager
+def tile_choices(choices: tuple[tuple[int, int], ...]) -> Any:
+    """The tiled kernel's choices of a thread's queries and keys, for a while."""
+    from attnx_backends import cupy_tiled
+
+    saved, cupy_tiled.TILE_CHOICES = cupy_tiled.TILE_CHOICES, choices
+    try:
+        yield
+    finally:
+        cupy_tiled.TILE_CHOICES = saved
+
+
+#: A thread's (queries, keys of a tile) that tiled_times compares.
+TILINGS = ((4, 4), (2, 4), (2, 8), (4, 8))
+
+
 def tiled_times() -> None:
-    """Issue 61's float32 shapes: the tiled fused kernel against the fused
-    kernel of a query a thread (``cupy_flash``) on the same laid-out
-    arrays, and PyTorch's SDPA, each call waited for, in this process."""
+    """Issue 61's float32 shapes: the tiled fused kernel, in each of
+    :data:`TILINGS`, against the fused kernel of a query a thread
+    (``cupy_flash``) on the same laid-out arrays, and PyTorch's SDPA, each
+    call waited for, in this process."""
     from functools import partial
 
     import cupy as cp
@@ -1219,24 +1242,24 @@ def tiled_times() -> None:
         slices = batch * 8
         q, k, v = (cp.random.standard_normal((slices, size, d), dtype=cp.float32) for _ in range(3))
         tq, tk, tv = (torch.as_tensor(a, device="cuda").reshape(batch, 8, size, d) for a in (q, k, v))
-        tiled = cupy_tiled.plan("float32", d, d, size, size, slices)
+        tilings = []
+        for choice in TILINGS:
+            with tile_choices((choice,)):
+                tilings.append(cupy_tiled.plan("float32", d, d, size, size, slices))
         flash = cupy_flash.plan("float32", d, d, size, size, slices)
+        wait = cp.cuda.Device().synchronize
         for causal in (False, True):
-            label = f"({batch}, 8, {size}, {d}) causal={causal} float32"
-            line = {"row": f"tiled {label}", "kernel": cupy_tiled.kernel_name(tiled)}
+            line = {"row": f"tiled ({batch}, 8, {size}, {d}) causal={causal} float32"}
             try:
                 sdpa = torch.nn.functional.scaled_dot_product_attention
                 line["torch_ms"] = synchronized_ms(partial(sdpa, tq, tk, tv, is_causal=causal), torch.cuda.synchronize)
-                wait = cp.cuda.Device().synchronize
-                line["tiled_ms"] = synchronized_ms(
-                    partial(cupy_tiled.attend, tiled, q, k, v, None, d**-0.5, causal), wait
-                )
                 if flash is not None:
-                    name = cupy_flash.kernel_name(flash) + "_ms"
-                    line[name] = synchronized_ms(
-                        partial(cupy_flash.attend, flash, q, k, v, None, d**-0.5, causal), wait
-                    )
-                line["tiled_over_torch"] = round(line["tiled_ms"] / line["torch_ms"], 3)
+                    call = partial(cupy_flash.attend, flash, q, k, v, None, d**-0.5, causal)
+                    line[cupy_flash.kernel_name(flash) + "_ms"] = synchronized_ms(call, wait)
+                for tiled in filter(None, tilings):
+                    call = partial(cupy_tiled.attend, tiled, q, k, v, None, d**-0.5, causal)
+                    line[cupy_tiled.kernel_name(tiled) + "_ms"] = milliseconds = synchronized_ms(call, wait)
+                    line[cupy_tiled.kernel_name(tiled) + "_over_torch"] = round(milliseconds / line["torch_ms"], 3)
             except Exception as exc:
                 line["error"] = repr(exc)[:500]
             print(json.dumps(line), flush=True)

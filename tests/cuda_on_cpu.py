@@ -3,10 +3,10 @@ source that CuPy would compile, not a retelling of it in NumPy.
 
 :class:`RawKernel` takes what ``cupy.RawKernel`` takes (the source and the
 kernel's name), compiles it with g++ against ``cuda_on_cpu.h`` (CUDA's
-built-ins as threads, barriers and a warp's exchange) and launches it as
-CuPy does, ``kernel(grid, block, args, shared_mem=...)``, on NumPy arrays:
-each thread of a block is a thread of the CPU, blocks run one after
-another.  What a GPU would get wrong, it refuses rather than runs:
+built-ins: each GPU thread a fiber with its stack, run in turn until it
+waits at a barrier or a warp's shuffle) and launches it as CuPy does,
+``kernel(grid, block, args, shared_mem=...)``, on NumPy arrays, a block
+after another.  What a GPU would get wrong, it refuses rather than runs:
 
 - an argument of another type than the kernel's parameter: an array of
   another dtype, one not C-ordered, a Python ``int`` or ``float`` (which
@@ -14,8 +14,11 @@ another.  What a GPU would get wrong, it refuses rather than runs:
 - a write past either end of an array (each lies between guards, checked
   after the launch); reads past them, and of dynamic shared memory not yet
   written, read NaN (or -1);
-- a ``__syncthreads()`` that not every thread reaches, a shuffle with a lane
-  outside a partial warp.
+- a ``__syncthreads()`` that not every thread reaches (a round in which no
+  fiber moves), a full-mask shuffle in a partial warp.
+
+Fibers take turns only at barriers, so a race between threads never shows
+here: what it checks is each thread's arithmetic and indexing.
 
 Timing means nothing here; the kernel's registers and spills are nvcc's
 to tell (``bench/gpu_checks.py`` and the archive's records).
@@ -40,7 +43,7 @@ HEADER = Path(__file__).with_name("cuda_on_cpu.h")
 COMPILER = shutil.which("g++")
 #: Why the kernels can't run here, or None where they can.
 UNAVAILABLE = None if COMPILER else "no C++ compiler (g++) on this machine to run CUDA kernels on the CPU"
-FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-fPIC", "-pthread", "-Wno-unknown-pragmas")
+FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-fPIC", "-Wno-unknown-pragmas")
 #: Bytes of guard on each side of an array.
 GUARD = 64
 

@@ -163,24 +163,26 @@ def cpu_tiled_kernel(tiled, query, key, value, limits, scale, causal=False):
 
 
 @needs_compiler
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     batch=st.sampled_from([(), (2,), (2, 3)]),
     n=st.sampled_from([1, 2, 63, 64, 65, 150]),
     m=st.sampled_from([1, 5, 31, 32, 33, 100]),
     features=st.sampled_from([(3, 2), (64, 40), (33, 64), (128, 128)]),
+    tiling=st.sampled_from([(4, 4), (2, 8), (1, 1)]),
     is_causal=st.booleans(),
     lengths=st.sampled_from([None, "sequence", "query"]),
     keys_batch=st.sampled_from(["same", "none"]),
     seed=st.integers(0, 2**16),
 )
-def test_the_tiled_kernel_computes_the_reference(batch, n, m, features, is_causal, lengths, keys_batch, seed):
+def test_the_tiled_kernel_computes_the_reference(batch, n, m, features, tiling, is_causal, lengths, keys_batch, seed):
     """The tiled fused kernel's CUDA source on the CPU against the float64
     reference: blocks of 64 queries and tiles of 32 keys cut short or not,
     causal calls with ``n`` above and below ``m`` (the blocks of the last
     queries first), key lengths per sequence and per query (rows with no key
     get zeros), keys shared by the batch, features that fill no vector and
-    128 of them (shared memory past CUDA's default 48 KiB)."""
+    128 of them (shared memory past CUDA's default 48 KiB), in tilings of a
+    thread's queries and keys down to one of each."""
     rng = np.random.default_rng(seed)
     d_k, d_v = features
     query = rng.standard_normal((*batch, n, d_k)).astype(np.float32)
@@ -199,7 +201,7 @@ def test_the_tiled_kernel_computes_the_reference(batch, n, m, features, is_causa
     got = cupy_attention.attend_fused(
         xp,
         cpu_tiled_kernel,
-        cupy_tiled.plan("float32", d_k, d_v, n, m, max(1, int(np.prod(batch)))),
+        cupy_tiled.TiledPlan(d_k, d_v, *tiling),
         query=query,
         key=key,
         value=value,
