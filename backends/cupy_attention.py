@@ -48,7 +48,7 @@ import numpy
 from attnx import blocks, get_memory_budget, natives
 from attnx.natives import MIN_ROWS
 
-from . import cupy_cudnn, cupy_flash
+from . import cupy_cudnn, cupy_flash, cupy_tiled
 
 #: Causal calls are cut into blocks of rows (each of at least MIN_ROWS
 #: rows) that compute the keys up to their last row's diagonal: with 4
@@ -622,25 +622,47 @@ def scaled_dot_product_attention_vjp(
     backend: Any,
 ) -> Any:
     """attnx's native entry point for ``vjp(scaled_dot_product_attention)``
-    (see :meth:`attnx.Backend.implementations`): half precision through
-    cuDNN's forward, which keeps each row's statistics, and cuDNN's backward
-    (:mod:`cupy_cudnn`), ``(output, backward)``; ``NotImplemented`` for
-    every call cuDNN does not take (attnx's generic backward, in tiles of
-    the GPU's blocks)."""
+    (see :meth:`attnx.Backend.implementations`), ``(output, backward)``:
+    half precision through cuDNN's forward, which keeps each row's
+    statistics, and cuDNN's backward (:mod:`cupy_cudnn`); float32 through
+    the tiled kernels (:func:`tiled_vjp`); ``NotImplemented`` for the rest
+    (attnx's generic backward, in tiles of the GPU's blocks)."""
     import array_api_compat.cupy as xp
 
     if (
         mask is not None
-        or key_lengths is not None
         or chunk_size is not None
         or 0 in (query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1], math.prod(batch_shape))
     ):
         return NotImplemented
-    route = _cudnn_route(
-        xp, query, key, value, None, is_causal, scale, batch_shape, device_index=query.device.id, training=True
-    )
+    route = None
+    if key_lengths is None:
+        route = _cudnn_route(
+            xp, query, key, value, None, is_causal, scale, batch_shape, device_index=query.device.id, training=True
+        )
     if route is None:
-        return NotImplemented
+        with query.device:
+            found = tiled_vjp(
+                xp,
+                cupy_tiled.attend,
+                cupy_tiled.attend_backward,
+                query=query,
+                key=key,
+                value=value,
+                key_lengths=key_lengths,
+                is_causal=is_causal,
+                scale=scale,
+                batch_shape=batch_shape,
+            )
+        if found is NotImplemented:
+            return found
+        output, tiled_backward = found
+
+        def on_device(cotangent: Any) -> tuple[Any, Any, Any, Any]:
+            with query.device:
+                return tiled_backward(cotangent)
+
+        return output, on_device
     call = route[0]
     with query.device:
         # C-ordered once: the backward reads the same arrays (a broadcast key is a copy)
@@ -653,6 +675,61 @@ def scaled_dot_product_attention_vjp(
         return d_query, d_key, d_value, None  # the route takes a float scale only: it has no cotangent
 
     return output, backward
+
+
+#: The tiled kernels' forward and backward (:func:`cupy_tiled.attend` and
+#: :func:`cupy_tiled.attend_backward`'s signatures).
+TiledAttend = Callable[..., Any]
+TiledBackward = Callable[..., tuple[Any, Any, Any]]
+
+
+def tiled_vjp(
+    xp: Any,
+    attend_kernel: TiledAttend,
+    backward_kernel: TiledBackward,
+    *,
+    query: Any,
+    key: Any,
+    value: Any,
+    key_lengths: Any,
+    is_causal: bool,
+    scale: Any,
+    batch_shape: tuple[int, ...],
+) -> Any:
+    """``(output, backward)`` of a float32 call without a mask in the tiled
+    kernels (:mod:`cupy_tiled`): the forward keeps each row's log-sum-exp,
+    the backward recomputes each tile's weights from it in two launches
+    (the queries' gradients; the keys' and values'), so that training holds
+    no tile of scores, FlashAttention-2's way.  The backward gives
+    ``(d_query, d_key, d_value, None)`` over ``batch_shape`` (attnx sums
+    them to the inputs' shapes).  ``NotImplemented`` for other dtypes, a
+    scale that is an array (its gradient is the generic backward's),
+    grouped heads that do not fold, and features the kernels do not hold."""
+    n, m, d_k, d_v = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
+    slices = math.prod(batch_shape)
+    if (
+        query.dtype != xp.float32
+        or not isinstance(scale, float)
+        or natives.key_groups(query.shape, key.shape, value.shape) > 1
+    ):
+        return NotImplemented
+    forward = cupy_tiled.plan("float32", d_k, d_v, n, m, slices)
+    backward_plans = cupy_tiled.backward_plans("float32", d_k, d_v, n, m, slices)
+    if forward is None or backward_plans is None:
+        return NotImplemented
+    # Laid out once: the backward reads the same slices (a broadcast key is a copy).
+    laid = [_as_slices(xp, array, batch_shape) for array in (query, key, value)]
+    # The kernels apply the causal rule themselves; the key lengths come as each query's count.
+    limits = _row_limits(xp, key_lengths, False, batch_shape, n, m, query.device)
+    output, stats = attend_kernel(forward, *laid, limits, scale, is_causal, with_stats=True)
+
+    def backward(cotangent: Any) -> tuple[Any, Any, Any, Any]:
+        cotangent = _as_slices(xp, cotangent, batch_shape)
+        gradients = backward_kernel(backward_plans, *laid, output, stats, cotangent, limits, scale, is_causal)
+        d_query, d_key, d_value = (xp.reshape(gradient, (*batch_shape, *gradient.shape[1:])) for gradient in gradients)
+        return d_query, d_key, d_value, None  # a float scale only: it has no cotangent
+
+    return xp.reshape(output, (*batch_shape, n, d_v)), backward
 
 
 def call_plan(backend: Any, arguments: Mapping[str, Any]) -> Callable[..., Any] | None:

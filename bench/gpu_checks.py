@@ -1171,8 +1171,9 @@ TILED_CASES = (
 
 def tiled_outputs() -> None:
     """The tiled fused kernel (``attnx_backends.cupy_tiled``, float32) on the
-    GPU against the float64 reference from the same inputs: its blocks and
-    tiles cut short, causal calls with n above and below m, key lengths."""
+    GPU against the float64 reference from the same inputs, in each of
+    :data:`TILINGS`, and its backward's gradients: blocks and tiles cut
+    short, causal calls with n above and below m, key lengths."""
     import cupy as cp
     import numpy as np
 
@@ -1205,6 +1206,20 @@ def tiled_outputs() -> None:
             want, _ = reference.scaled_dot_product_attention(q, k, v, allowed=allowed, scale=d_k**-0.5)
             got = cp.asnumpy(got)
             line = {"row": name, "max_abs_error": float(np.max(np.abs(got - want))), "nan": bool(np.isnan(got).any())}
+            if tiling == TILINGS[0]:  # the backward's kernels have one tiling: from the forward's statistics
+                g = rng.standard_normal((slices, n, d_v)).astype(np.float32)
+                arrays = [cp.asarray(a) for a in (q, k, v)]
+                limits_gpu = None if limits is None else cp.asarray(limits)
+                output, stats = cupy_tiled.attend(tiled, *arrays, limits_gpu, d_k**-0.5, causal, with_stats=True)
+                plans = cupy_tiled.backward_plans("float32", d_k, d_v, n, m, slices)
+                grads = cupy_tiled.attend_backward(
+                    plans, *arrays, output, stats, cp.asarray(g), limits_gpu, d_k**-0.5, causal
+                )
+                wants = reference.scaled_dot_product_attention_vjp(q, k, v, g, allowed=allowed, scale=d_k**-0.5)
+                for key_name, grad in zip(("query", "key", "value"), grads):
+                    grad = cp.asnumpy(grad)
+                    line[f"d_{key_name}_max_abs_error"] = float(np.max(np.abs(grad - wants[key_name])))
+                    line["nan"] = line["nan"] or bool(np.isnan(grad).any())
         except Exception as exc:
             line = {"row": name, "error": repr(exc)[:500]}
         print(json.dumps(line), flush=True)

@@ -71,7 +71,7 @@ class RawKernel:
         if UNAVAILABLE:
             raise RuntimeError(UNAVAILABLE)
         self.source, self.name = source, name
-        self.parameters = _parameters(source, name)
+        self.parameters = list(_parameters(source, name))
         self._launch = _compiled(source, name, tuple(text for text, _, _ in self.parameters))
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...], *, shared_mem: int = 0):
@@ -120,9 +120,15 @@ def _dims(sizes: tuple[int, ...]) -> tuple[int, int, int]:
     return sizes
 
 
+@functools.cache
 def _parameters(source: str, name: str) -> list[tuple[str, Any, bool]]:
     """``(declared type, NumPy dtype of the value or pointee, is a pointer)``
-    for each of the kernel's parameters, read from its signature."""
+    for each of the kernel's parameters, read from its signature in the
+    preprocessed source (where ``#if`` chooses between kernels)."""
+    preprocessed = subprocess.run(
+        [COMPILER, "-E", "-P", "-x", "c++", "-"], input=source, capture_output=True, text=True, check=True
+    ).stdout
+    source = preprocessed
     signature = re.search(
         r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?" + re.escape(name) + r"\s*\(([^)]*)\)", source
     )

@@ -148,18 +148,55 @@ def test_blocks_compute_the_reference(
     np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance)
 
 
-def cpu_tiled_kernel(tiled, query, key, value, limits, scale, causal=False):
+def _cpu_launch(source, name, shared_bytes, grid, block, arguments):
+    cuda_on_cpu.RawKernel(source, name)(grid, block, arguments, shared_mem=shared_bytes)
+
+
+def _cpu_limits(limits):
+    if limits is None:
+        return np.empty((1,), dtype=np.int32), False
+    return np.ascontiguousarray(limits, dtype=np.int32), True
+
+
+def cpu_tiled_kernel(tiled, query, key, value, limits, scale, causal=False, with_stats=False):
     """:func:`cupy_tiled.attend` with NumPy's arrays, launched on the CPU."""
     query, key, value = (np.ascontiguousarray(array) for array in (query, key, value))
     output = np.empty((*query.shape[:2], tiled.d_v), dtype=query.dtype)
-    has_limits = limits is not None
-    limits = np.ascontiguousarray(limits, dtype=np.int32) if has_limits else np.empty((1,), dtype=np.int32)
-    grid, block, arguments = cupy_tiled.launch(
-        tiled, query, key, value, output, limits, scale, causal, has_limits=has_limits
+    stats = np.empty(query.shape[:2] if with_stats else (1,), dtype=query.dtype)
+    limits, has_limits = _cpu_limits(limits)
+    launch = cupy_tiled.launch(
+        tiled, query, key, value, output, stats, limits, scale, causal, has_stats=with_stats, has_limits=has_limits
     )
-    kernel = cuda_on_cpu.RawKernel(cupy_tiled.kernel_source(tiled), cupy_tiled.kernel_name(tiled))
-    kernel(grid, block, arguments, shared_mem=tiled.shared_bytes)
-    return output
+    _cpu_launch(cupy_tiled.kernel_source(tiled), cupy_tiled.kernel_name(tiled), tiled.shared_bytes, *launch)
+    return (output, stats) if with_stats else output
+
+
+def cpu_tiled_backward(plans, query, key, value, output, stats, cotangent, limits, scale, causal=False):
+    """:func:`cupy_tiled.attend_backward` with NumPy's arrays, its two
+    kernels launched on the CPU."""
+    query, key, value, cotangent = (np.ascontiguousarray(array) for array in (query, key, value, cotangent))
+    deltas = np.sum(cotangent * output, axis=-1)
+    d_query, d_key, d_value = (np.empty_like(array) for array in (query, key, value))
+    limits, has_limits = _cpu_limits(limits)
+    launches = cupy_tiled.backward_launches(
+        plans,
+        query,
+        key,
+        value,
+        cotangent,
+        stats,
+        deltas,
+        d_query,
+        d_key,
+        d_value,
+        limits,
+        scale,
+        causal,
+        has_limits=has_limits,
+    )
+    for side, launch in zip(plans, launches):
+        _cpu_launch(cupy_tiled.backward_source(side), cupy_tiled.backward_name(side), side.shared_bytes, *launch)
+    return d_query, d_key, d_value
 
 
 @needs_compiler
@@ -215,6 +252,46 @@ def test_the_tiled_kernel_computes_the_reference(batch, n, m, features, tiling, 
 
 
 @needs_compiler
+@settings(max_examples=60, deadline=None)
+@given(
+    slices=st.sampled_from([1, 3]),
+    n=st.sampled_from([1, 2, 63, 64, 65, 150]),
+    m=st.sampled_from([1, 5, 31, 32, 33, 100]),
+    features=st.sampled_from([(3, 2), (64, 40), (33, 64), (128, 128), (65, 96)]),
+    is_causal=st.booleans(),
+    lengths=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_tiled_backward_computes_the_reference(slices, n, m, features, is_causal, lengths, seed):
+    """The backward's two kernels on the CPU, from the forward's outputs and
+    row statistics, against the float64 reference's gradients: blocks of
+    64 queries and 32 keys cut short or not, causal calls with ``n`` above
+    and below ``m`` (the keys' blocks skip the queries before them), key
+    lengths with rows of no key (zero gradients, never NaN), features
+    padded to the 32 and 64 the gradients' threads share out."""
+    rng = np.random.default_rng(seed)
+    d_k, d_v = features
+    query = rng.standard_normal((slices, n, d_k)).astype(np.float32)
+    key = rng.standard_normal((slices, m, d_k)).astype(np.float32)
+    value = rng.standard_normal((slices, m, d_v)).astype(np.float32)
+    cotangent = rng.standard_normal((slices, n, d_v)).astype(np.float32)
+    limits = rng.integers(0, m + 1, size=(slices, n)) if lengths else None
+    scale = d_k**-0.5
+    output, stats = cpu_tiled_kernel(
+        cupy_tiled.TiledPlan(d_k, d_v), query, key, value, limits, scale, is_causal, with_stats=True
+    )
+    plans = cupy_tiled.backward_plans("float32", d_k, d_v, n, m, slices)
+    got = cpu_tiled_backward(plans, query, key, value, output, stats, cotangent, limits, scale, is_causal)
+    allowed = reference.allowed_mask(n, m, batch_shape=(slices,), is_causal=is_causal)
+    if lengths:
+        allowed = allowed & (np.arange(m) < limits[..., None])
+    expected = reference.scaled_dot_product_attention_vjp(query, key, value, cotangent, allowed=allowed, scale=scale)
+    for name, gradient in zip(("query", "key", "value"), got):
+        assert gradient.dtype == np.float32 and not np.isnan(gradient).any()
+        np.testing.assert_allclose(gradient, expected[name], rtol=2e-4, atol=2e-4, err_msg=name)
+
+
+@needs_compiler
 def test_the_tiled_kernel_gives_zeros_to_rows_of_minus_infinity_and_propagates_a_nan():
     """As :mod:`cupy_flash`: a NaN score makes its row NaN (the 8 threads
     that share a query join their maxima, NaN included); with its key left
@@ -234,6 +311,113 @@ def test_the_tiled_kernel_gives_zeros_to_rows_of_minus_infinity_and_propagates_a
     expected, _ = reference.scaled_dot_product_attention(query[:, 1:], key[:, :37], value[:, :37], scale=1.0)
     assert np.array_equal(got[0, 0], np.zeros(8))
     np.testing.assert_allclose(got[:, 1:], expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_compiler
+def test_the_tiled_backward_gives_zero_gradients_to_a_row_of_minus_infinity():
+    """A row whose scores are all ``-inf`` (its log-sum-exp ``-inf`` too)
+    weighs nothing in the backward: zeros for its query, never NaN (its
+    weights would be exp(-inf + inf)), and the keys' and values' gradients
+    those of the other rows alone."""
+    rng = np.random.default_rng(5)
+    query = rng.standard_normal((1, 70, 8)).astype(np.float32)
+    query[0, 3] = -np.inf  # scores of -inf against positive keys
+    key = (np.abs(rng.standard_normal((1, 40, 8))) + 0.5).astype(np.float32)
+    value, cotangent = (rng.standard_normal((1, rows, 8)).astype(np.float32) for rows in (40, 70))
+    output, stats = cpu_tiled_kernel(cupy_tiled.TiledPlan(8, 8), query, key, value, None, 1.0, with_stats=True)
+    assert stats[0, 3] == -np.inf and np.array_equal(output[0, 3], np.zeros(8))
+    plans = cupy_tiled.backward_plans("float32", 8, 8, 70, 40, 1)
+    d_query, d_key, d_value = cpu_tiled_backward(plans, query, key, value, output, stats, cotangent, None, 1.0)
+    assert np.array_equal(d_query[0, 3], np.zeros(8))
+    others = np.arange(70) != 3
+    expected = reference.scaled_dot_product_attention_vjp(query[:, others], key, value, cotangent[:, others], scale=1.0)
+    np.testing.assert_allclose(d_query[:, others], expected["query"], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(d_key, expected["key"], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(d_value, expected["value"], rtol=2e-4, atol=2e-4)
+
+
+def tiled_vjp(query, key, value, **options):
+    """``cupy_attention.tiled_vjp`` of a call of NumPy arrays standing in for
+    CuPy's, in the layout attnx computes it, the kernels run on the CPU."""
+    from attnx.attention import validated_call
+
+    call = validated_call("scaled_dot_product_attention", query, key, value, backend="numpy", **options)
+    query, key, value, _, key_lengths, is_causal, batch_shape, _ = call.computed
+    return cupy_attention.tiled_vjp(
+        xp,
+        cpu_tiled_kernel,
+        cpu_tiled_backward,
+        query=query,
+        key=key,
+        value=value,
+        key_lengths=key_lengths,
+        is_causal=is_causal,
+        scale=call.scale,
+        batch_shape=batch_shape,
+    )
+
+
+SEQUENCE_LENGTHS = np.array([[3, 0, 40], [40, 12, 1]])  # a sequence of no key among them
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    ("options", "lengths_per"),
+    [
+        ({}, None),
+        ({"is_causal": True}, None),  # n > m: the first queries attend no key
+        ({"key_lengths": np.array([0, 17])}, "batch"),  # a batch entry of no key
+        ({"key_lengths": SEQUENCE_LENGTHS, "is_causal": True}, "sequence"),
+        ({"key_lengths": SEQUENCE_LENGTHS, "is_causal": True, "causal_align": "key_lengths"}, "sequence"),
+        ({"shared_keys": True, "is_causal": True}, None),  # keys broadcast over the batch: gradients summed
+    ],
+)
+def test_the_tiled_vjp_computes_the_reference(options, lengths_per):
+    """attnx's call laid out for the tiled kernels (slices, key lengths as
+    counts, the causal rule in the kernels or aligned to each sequence's
+    lengths) and the gradients back over the batch, against the float64
+    reference."""
+    from attnx import _cotangents
+
+    options = dict(options)
+    rng = np.random.default_rng(11)
+    n, m = 70, 40
+    key_batch = (3,) if options.pop("shared_keys", False) else (2, 3)
+    query = rng.standard_normal((2, 3, n, 16)).astype(np.float32)
+    key = rng.standard_normal((*key_batch, m, 16)).astype(np.float32)
+    value = rng.standard_normal((*key_batch, m, 8)).astype(np.float32)
+    cotangent = rng.standard_normal((2, 3, n, 8)).astype(np.float32)
+    output, backward = tiled_vjp(query, key, value, **options)
+    d_query, d_key, d_value, d_scale = backward(cotangent)
+    allowed = reference.allowed_mask(n, m, batch_shape=(2, 3), lengths_per=lengths_per or "sequence", **options)
+    expected, _ = reference.scaled_dot_product_attention(query, key, value, allowed=allowed)
+    np.testing.assert_allclose(output, expected, rtol=1e-5, atol=1e-5)
+    gradients = reference.scaled_dot_product_attention_vjp(query, key, value, cotangent, allowed=allowed)
+    got = {"query": d_query, "key": _cotangents.like(xp, d_key, key), "value": _cotangents.like(xp, d_value, value)}
+    for name, gradient in got.items():
+        np.testing.assert_allclose(gradient, gradients[name], rtol=2e-4, atol=2e-4, err_msg=name)
+    assert d_scale is None
+
+
+@pytest.mark.parametrize(
+    ("dtype", "features", "options", "why"),
+    [
+        (np.float64, (16, 16), {}, "float32 only"),
+        (np.float32, (16, 16), {"scale": np.asarray(0.5, dtype=np.float32)}, "an array scale has a gradient"),
+        (np.float32, (129, 16), {}, "features past the kernels' registers"),
+    ],
+)
+def test_the_tiled_vjp_declines_what_its_kernels_cannot_do(dtype, features, options, why):
+    query = np.zeros((2, 5, features[0]), dtype=dtype)
+    key = np.zeros((2, 7, features[0]), dtype=dtype)
+    value = np.zeros((2, 7, features[1]), dtype=dtype)
+    assert tiled_vjp(query, key, value, **options) is NotImplemented, why
+
+
+def test_the_tiled_vjp_declines_grouped_heads_that_do_not_fold():
+    query = np.zeros((1, 4, 5, 8), dtype=np.float32)  # 4 query heads over 2 key heads, one query a head
+    key = value = np.zeros((1, 2, 7, 8), dtype=np.float32)
+    assert tiled_vjp(query, key, value, enable_gqa=True, is_causal=True) is NotImplemented
 
 
 @pytest.mark.parametrize(
