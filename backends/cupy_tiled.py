@@ -29,8 +29,10 @@ The contract is :mod:`cupy_flash`'s (:func:`attend`): no ``mask``, the
 causal rule applied in the kernel, ``key_lengths`` as each query's count of
 keys, a row with no key gets zeros and a NaN score its row's NaN.  Its
 source runs on the CPU in the tests (``tests/cuda_on_cpu.py``); ptxas
-(CUDA 13, sm_90) gives it 138 registers at 64 features and 168 at 128,
-none spilled (:data:`REGISTERS`).  It joins the
+(CUDA 13, sm_90) gives it 138 registers at 64 features, none spilled,
+and 168 at 128, 4 bytes spilled (:data:`REGISTERS`); the backward's
+kernels 137 each at 64, and 168 at 128 (the queries' side spilling 28
+bytes).  It joins the
 route when a GPU has timed it against :mod:`cupy_flash` and the blocks
 (``bench/gpu_checks.py tiled_outputs tiled_times``).
 """
@@ -43,6 +45,21 @@ from typing import Any
 
 import numpy
 
+#: Device functions both sources use: a vector's part, a vector read from
+#: shared memory, a maximum that keeps NaN, and a vector's multiple added
+#: to four accumulators.
+HELPERS_SOURCE = r"""
+__device__ __forceinline__ float part(const float4& v, int c) { return reinterpret_cast<const float*>(&v)[c]; }
+__device__ __forceinline__ float4 vector_at(const float* p) { return *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+__device__ __forceinline__ void add_scaled(float* accumulators, float weight, const float4& v) {
+    accumulators[0] += weight * v.x;
+    accumulators[1] += weight * v.y;
+    accumulators[2] += weight * v.z;
+    accumulators[3] += weight * v.w;
+}
+"""
+
 TILED_SOURCE = r"""
 #define THREADS 128
 #define ROW_GROUPS 16                   // threads ty: queries ty + 16 r
@@ -52,9 +69,6 @@ TILED_SOURCE = r"""
 #define QS (DP + 4)                     // a row of queries or keys in shared memory, padded by a vector
 #define PS (BK + 4)                     // a row of weights
 #define VQ (DVP / 32)                   // a thread's vectors of output features
-
-__device__ __forceinline__ float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
-__device__ __forceinline__ float part(const float4& v, int c) { return reinterpret_cast<const float*>(&v)[c]; }
 
 extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
         const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value,
@@ -130,9 +144,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
         for (int e = 0; e < DP; e += 4) {
             float4 qv[RM], kv[CN];
 #pragma unroll
-            for (int r = 0; r < RM; ++r) qv[r] = *reinterpret_cast<const float4*>(&queries[(ty + ROW_GROUPS * r) * QS + e]);
+            for (int r = 0; r < RM; ++r) qv[r] = vector_at(&queries[(ty + ROW_GROUPS * r) * QS + e]);
 #pragma unroll
-            for (int c = 0; c < CN; ++c) kv[c] = *reinterpret_cast<const float4*>(&keys[(tx + KEY_GROUPS * c) * QS + e]);
+            for (int c = 0; c < CN; ++c) kv[c] = vector_at(&keys[(tx + KEY_GROUPS * c) * QS + e]);
 #pragma unroll
             for (int r = 0; r < RM; ++r)
 #pragma unroll
@@ -168,20 +182,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
         for (int j = 0; j < BK; j += 4) {
             float4 pv[RM];
 #pragma unroll
-            for (int r = 0; r < RM; ++r) pv[r] = *reinterpret_cast<const float4*>(&weights[(ty + ROW_GROUPS * r) * PS + j]);
+            for (int r = 0; r < RM; ++r) pv[r] = vector_at(&weights[(ty + ROW_GROUPS * r) * PS + j]);
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
                 for (int vq = 0; vq < VQ; ++vq) {
-                    const float4 vv = *reinterpret_cast<const float4*>(&values[(j + jj) * DVP + tx * 4 + 32 * vq]);
+                    const float4 vv = vector_at(&values[(j + jj) * DVP + tx * 4 + 32 * vq]);
 #pragma unroll
-                    for (int r = 0; r < RM; ++r) {
-                        const float p = part(pv[r], jj);
-                        out[r][4 * vq] += p * vv.x;
-                        out[r][4 * vq + 1] += p * vv.y;
-                        out[r][4 * vq + 2] += p * vv.z;
-                        out[r][4 * vq + 3] += p * vv.w;
-                    }
+                    for (int r = 0; r < RM; ++r) add_scaled(&out[r][4 * vq], part(pv[r], jj), vv);
                 }
         }
     }
@@ -232,9 +240,6 @@ BACKWARD_SOURCE = r"""
 #define VS (DVP + 4)                    // a row of values
 #define TS (QB + 4)                     // a row of weights or score gradients, transposed (keys' side)
 #define PS (KB + 4)                     // a row of score gradients (queries' side)
-
-__device__ __forceinline__ float part(const float4& v, int c) { return reinterpret_cast<const float*>(&v)[c]; }
-__device__ __forceinline__ float4 vector_at(const float* p) { return *reinterpret_cast<const float4*>(p); }
 
 // The keys a query attends: its limit (key lengths, clamped to [0, m]) and
 // the causal rule in attnx's alignment; 0 past the last query.
@@ -406,13 +411,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
                 for (int vq = 0; vq < VQ; ++vq) {
                     const float4 kv = vector_at(&keys[(j + jj) * KS + tx * 4 + 32 * vq]);
 #pragma unroll
-                    for (int r = 0; r < RM; ++r) {
-                        const float g = part(ds[r], jj);
-                        dq[r][4 * vq] += g * kv.x;
-                        dq[r][4 * vq + 1] += g * kv.y;
-                        dq[r][4 * vq + 2] += g * kv.z;
-                        dq[r][4 * vq + 3] += g * kv.w;
-                    }
+                    for (int r = 0; r < RM; ++r) add_scaled(&dq[r][4 * vq], part(ds[r], jj), kv);
                 }
         }
     }
@@ -505,25 +504,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
                 for (int f = 0; f < FV; ++f) {
                     const float4 o = vector_at(&d_outputs[(i + ii) * OS + fb * 4 + 64 * f]);
 #pragma unroll
-                    for (int c = 0; c < CN; ++c) {
-                        const float p = part(w[c], ii);
-                        dv[c][4 * f] += p * o.x;
-                        dv[c][4 * f + 1] += p * o.y;
-                        dv[c][4 * f + 2] += p * o.z;
-                        dv[c][4 * f + 3] += p * o.w;
-                    }
+                    for (int c = 0; c < CN; ++c) add_scaled(&dv[c][4 * f], part(w[c], ii), o);
                 }
 #pragma unroll
                 for (int f = 0; f < FQ; ++f) {
                     const float4 x = vector_at(&queries[(i + ii) * QS + fb * 4 + 64 * f]);
 #pragma unroll
-                    for (int c = 0; c < CN; ++c) {
-                        const float g = part(ds[c], ii);
-                        dk[c][4 * f] += g * x.x;
-                        dk[c][4 * f + 1] += g * x.y;
-                        dk[c][4 * f + 2] += g * x.z;
-                        dk[c][4 * f + 3] += g * x.w;
-                    }
+                    for (int c = 0; c < CN; ++c) add_scaled(&dk[c][4 * f], part(ds[c], ii), x);
                 }
             }
         }
@@ -569,11 +556,12 @@ REGISTER_FLOATS = 96
 #: up to 227 KiB; CUDA gives 48 KiB unasked).
 SHARED_LIMIT = 163 * 1024
 #: Compiled by CUDA 13's ptxas for sm_90 (``nvcc -arch=sm_90 -Xptxas -v``),
-#: the registers a thread uses by its features (queries' and values'
-#: alike) in tiles of 4 x 4, none spilled; at 80 and 96, 128 registers and
-#: 8 bytes spilled.  At 64, 138 registers and 43 KiB of shared memory leave
-#: a multiprocessor three blocks (12 warps), as :mod:`cupy_flash`'s 136 and
-#: 39 KiB do.  In tiles of 2 x 8: 72 registers at 64 features, 124 at 128.
+#: the registers a thread of the forward uses by its features (queries'
+#: and values' alike) in tiles of 4 x 4: none spilled up to 64; at 80 and
+#: 96, 128 registers and 8 bytes spilled, at 128 4 bytes.  At 64, 138
+#: registers and 43 KiB of shared memory leave a multiprocessor three
+#: blocks (12 warps), as :mod:`cupy_flash`'s 136 and 39 KiB do.  In tiles
+#: of 2 x 8: 72 registers at 64 features, 124 at 128.
 REGISTERS = {16: 90, 32: 109, 64: 138, 128: 168}
 
 
@@ -645,7 +633,7 @@ def kernel_source(tiled: TiledPlan) -> str:
         "CN": tiled.keys_per_thread,
     }
     header = "".join(f"#define {name} {size}\n" for name, size in sizes.items())
-    return header + TILED_SOURCE.replace("KERNEL_NAME", kernel_name(tiled))
+    return header + HELPERS_SOURCE + TILED_SOURCE.replace("KERNEL_NAME", kernel_name(tiled))
 
 
 def kernel_name(tiled: TiledPlan) -> str:
@@ -710,7 +698,7 @@ def backward_plans(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: 
 def backward_source(side: BackwardPlan) -> str:
     """The CUDA source of one of the backward's kernels."""
     header = "".join(f"#define {name} {size}\n" for name, size in side.sizes.items())
-    return header + BACKWARD_SOURCE.replace("KERNEL_NAME", backward_name(side))
+    return header + HELPERS_SOURCE + BACKWARD_SOURCE.replace("KERNEL_NAME", backward_name(side))
 
 
 def backward_name(side: BackwardPlan) -> str:
