@@ -187,9 +187,7 @@ def cupy_row_softmax(scores: Any, limits: Any, first_key: int) -> tuple[Any, Any
     count = scores.shape[0]
     maxima = cupy.empty((count,), dtype=scores.dtype)
     divisors = cupy.empty((count,), dtype=scores.dtype)
-    has_limits = limits is not None
-    # One int a row, in the rows' order; without limits the kernel reads none: any int32 array will do.
-    limits = cupy.ascontiguousarray(limits, dtype=cupy.int32) if has_limits else cupy.empty((1,), dtype=cupy.int32)
+    limits, has_limits = cupy_flash.limits_argument(limits)  # one int a row, in the rows' order
     _kernel(scores.dtype.name)(*row_softmax_launch(scores, maxima, divisors, limits, first_key, has_limits=has_limits))
     return maxima, divisors
 

@@ -337,11 +337,28 @@ def attend(flash: FlashPlan, query: Any, key: Any, value: Any, limits: Any, scal
 
     query, key, value = (cupy.ascontiguousarray(array) for array in (query, key, value))
     output = cupy.empty((query.shape[0], query.shape[1], flash.d_v), dtype=query.dtype)
-    has_limits = limits is not None
-    # Without limits the kernel reads none: any int32 array will do.
-    limits = cupy.ascontiguousarray(limits, dtype=cupy.int32) if has_limits else cupy.empty((1,), dtype=cupy.int32)
+    limits, has_limits = limits_argument(limits)
     _kernel(flash)(*launch(flash, query, key, value, output, limits, scale, causal, has_limits=has_limits))
     return output
+
+
+def limits_argument(limits: Any) -> tuple[Any, bool]:
+    """``(limits, has_limits)`` as the kernels take them: C-ordered int32,
+    or where there are none an int32 array the kernels never read (one a
+    device, made once: an allocation a call costs small calls)."""
+    import cupy
+
+    if limits is None:
+        return _no_limits(cupy.cuda.Device().id), False
+    return cupy.ascontiguousarray(limits, dtype=cupy.int32), True
+
+
+@functools.cache
+def _no_limits(device: int) -> Any:
+    import cupy
+
+    with cupy.cuda.Device(device):
+        return cupy.zeros((1,), dtype=cupy.int32)
 
 
 def launch(

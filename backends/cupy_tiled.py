@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy
 
+from .cupy_flash import limits_argument
+
 #: Device functions both sources use: a vector's part, a vector read from
 #: shared memory, a maximum that keeps NaN, and a vector's multiple added
 #: to four accumulators.
@@ -723,15 +725,6 @@ def _launch(source: str, name: str, shared_bytes: int, grid: Any, block: Any, ar
     kernel(grid, block, arguments, shared_mem=shared_bytes)
 
 
-def _limits_array(limits: Any) -> tuple[Any, bool]:
-    import cupy
-
-    # Without limits the kernels read none: any int32 array will do.
-    if limits is None:
-        return cupy.empty((1,), dtype=cupy.int32), False
-    return cupy.ascontiguousarray(limits, dtype=cupy.int32), True
-
-
 def attend(
     tiled: TiledPlan,
     query: Any,
@@ -754,7 +747,7 @@ def attend(
     query, key, value = (cupy.ascontiguousarray(array) for array in (query, key, value))
     output = cupy.empty((query.shape[0], query.shape[1], tiled.d_v), dtype=query.dtype)
     stats = cupy.empty(query.shape[:2] if with_stats else (1,), dtype=query.dtype)
-    limits, has_limits = _limits_array(limits)
+    limits, has_limits = limits_argument(limits)
     grid, block, arguments = launch(
         tiled, query, key, value, output, stats, limits, scale, causal, has_stats=with_stats, has_limits=has_limits
     )
@@ -809,7 +802,7 @@ def attend_backward(
     cotangent = cupy.ascontiguousarray(cotangent, dtype=output.dtype)
     deltas = cupy.sum(cotangent * output, axis=-1)
     d_query, d_key, d_value = (cupy.empty_like(array) for array in (query, key, value))
-    limits, has_limits = _limits_array(limits)
+    limits, has_limits = limits_argument(limits)
     for side, (grid, block, arguments) in zip(
         plans,
         backward_launches(
