@@ -651,6 +651,7 @@ def scaled_dot_product_attention_vjp(
                 is_causal=is_causal,
                 scale=scale,
                 batch_shape=batch_shape,
+                shared_limit=cupy_tiled.device_shared_bytes(query.device.id),
             )
         if found is NotImplemented:
             return found
@@ -693,6 +694,7 @@ def tiled_vjp(
     is_causal: bool,
     scale: Any,
     batch_shape: tuple[int, ...],
+    shared_limit: int,
 ) -> Any:
     """``(output, backward)`` of a float32 call without a mask in the tiled
     kernels (:mod:`cupy_tiled`): the forward keeps each row's log-sum-exp,
@@ -702,7 +704,8 @@ def tiled_vjp(
     ``(d_query, d_key, d_value, None)`` over ``batch_shape`` (attnx sums
     them to the inputs' shapes).  ``NotImplemented`` for other dtypes, a
     scale that is an array (its gradient is the generic backward's),
-    grouped heads that do not fold, and features the kernels do not hold."""
+    grouped heads that do not fold, and features the kernels do not hold
+    (in registers, or in the GPU's ``shared_limit`` bytes a block)."""
     n, m, d_k, d_v = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
     slices = math.prod(batch_shape)
     if (
@@ -711,8 +714,8 @@ def tiled_vjp(
         or natives.key_groups(query.shape, key.shape, value.shape) > 1
     ):
         return NotImplemented
-    forward = cupy_tiled.plan("float32", d_k, d_v, n, m, slices)
-    backward_plans = cupy_tiled.backward_plans("float32", d_k, d_v, n, m, slices)
+    forward = cupy_tiled.plan("float32", d_k, d_v, n, m, slices, shared_limit)
+    backward_plans = cupy_tiled.backward_plans("float32", d_k, d_v, n, m, slices, shared_limit)
     if forward is None or backward_plans is None:
         return NotImplemented
     # Laid out once: the backward reads the same slices (a broadcast key is a copy).

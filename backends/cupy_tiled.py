@@ -554,8 +554,10 @@ TILE_CHOICES = ((4, 4),)
 #: A thread's outputs and a tile's scores, in floats: 4 queries of 128
 #: value features and 8 keys (96 floats) compile to 210 registers.
 REGISTER_FLOATS = 96
-#: Shared memory a block may ask for (sm_80 and sm_90 let a kernel ask for
-#: up to 227 KiB; CUDA gives 48 KiB unasked).
+#: Shared memory a block may ask for where the GPU says nothing: an A100's
+#: (sm_80).  A GPU's own limit (:func:`device_shared_bytes`: 227 KiB on an
+#: H100, 99 KiB on an RTX 4090, 64 KiB on a T4) decides where it is known;
+#: CUDA gives 48 KiB unasked.
 SHARED_LIMIT = 163 * 1024
 #: Compiled by CUDA 13's ptxas for sm_90 (``nvcc -arch=sm_90 -Xptxas -v``),
 #: the registers a thread of the forward uses by its features (queries'
@@ -603,12 +605,27 @@ class TiledPlan:
         return 4 * (queries * row + keys * row + keys * self.padded_v + queries * (keys + 4))
 
 
-def plan(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int) -> TiledPlan | None:
+def device_shared_bytes(device: int) -> int:
+    """The shared memory a block may ask for on CUDA device ``device``
+    (``sharedMemPerBlockOptin``), read once a device."""
+    return _device_shared_bytes(device)
+
+
+@functools.cache
+def _device_shared_bytes(device: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"])
+
+
+def plan(
+    dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int, shared_limit: int = SHARED_LIMIT
+) -> TiledPlan | None:
     """The kernel's launch for a call, or None where it can't take it: a
     dtype other than float32, features past :data:`MAX_FEATURES`, positions
     past its int32 or a grid past CUDA's.  Its tiles: the first of
     :data:`TILE_CHOICES` whose outputs and scores fit a thread's registers
-    and whose block fits :data:`SHARED_LIMIT`."""
+    and whose block fits ``shared_limit`` (the GPU's: :func:`device_shared_bytes`)."""
     if dtype_name != "float32" or max(d_k, d_v) > MAX_FEATURES or min(d_k, d_v) < 1:
         return None
     for rows, keys in TILE_CHOICES:
@@ -616,7 +633,7 @@ def plan(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int) -> Ti
         queries = tiled.block_queries
         if (
             rows * (tiled.padded_v // 8 + keys) <= REGISTER_FLOATS
-            and tiled.shared_bytes <= SHARED_LIMIT
+            and tiled.shared_bytes <= shared_limit
             and max(n, m) < 2**31 - 2 * queries
             and slices * -(-n // queries) < 2**31
         ):
@@ -686,15 +703,18 @@ class BackwardPlan:
         return 4 * (rows + tiles + 2 * 64)
 
 
-def backward_plans(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int) -> tuple[BackwardPlan, ...] | None:
+def backward_plans(
+    dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int, shared_limit: int = SHARED_LIMIT
+) -> tuple[BackwardPlan, ...] | None:
     """The backward's two kernels (the queries' side, the keys'), or None
-    where they can't take the call (as :func:`plan`, in tiles of 4 x 4)."""
+    where they can't take the call (as :func:`plan`, in tiles of 4 x 4):
+    61 and 69 KiB of shared memory at 64 features, 109 and 117 at 128."""
     if dtype_name != "float32" or max(d_k, d_v) > MAX_FEATURES or min(d_k, d_v) < 1:
         return None
     if max(n, m) >= 2**31 - 128 or slices * max(-(-n // 64), -(-m // 32)) >= 2**31:
         return None
     plans = BackwardPlan(d_k, d_v, True), BackwardPlan(d_k, d_v, False)
-    return plans if all(plan.shared_bytes <= SHARED_LIMIT for plan in plans) else None
+    return plans if all(plan.shared_bytes <= shared_limit for plan in plans) else None
 
 
 def backward_source(side: BackwardPlan) -> str:

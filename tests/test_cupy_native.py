@@ -336,7 +336,7 @@ def test_the_tiled_backward_gives_zero_gradients_to_a_row_of_minus_infinity():
     np.testing.assert_allclose(d_value, expected["value"], rtol=2e-4, atol=2e-4)
 
 
-def tiled_vjp(query, key, value, **options):
+def tiled_vjp(query, key, value, shared_limit=cupy_tiled.SHARED_LIMIT, **options):
     """``cupy_attention.tiled_vjp`` of a call of NumPy arrays standing in for
     CuPy's, in the layout attnx computes it, the kernels run on the CPU."""
     from attnx.attention import validated_call
@@ -354,6 +354,7 @@ def tiled_vjp(query, key, value, **options):
         is_causal=is_causal,
         scale=call.scale,
         batch_shape=batch_shape,
+        shared_limit=shared_limit,
     )
 
 
@@ -405,6 +406,8 @@ def test_the_tiled_vjp_computes_the_reference(options, lengths_per):
         (np.float64, (16, 16), {}, "float32 only"),
         (np.float32, (16, 16), {"scale": np.asarray(0.5, dtype=np.float32)}, "an array scale has a gradient"),
         (np.float32, (129, 16), {}, "features past the kernels' registers"),
+        (np.float32, (64, 64), {"shared_limit": 64 * 1024}, "a T4's 64 KiB: the keys' kernel asks 69"),
+        (np.float32, (128, 128), {"shared_limit": 99 * 1024}, "an RTX 4090's 99 KiB: 109 and 117 asked"),
     ],
 )
 def test_the_tiled_vjp_declines_what_its_kernels_cannot_do(dtype, features, options, why):
