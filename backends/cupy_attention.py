@@ -97,6 +97,13 @@ FUSED_ROUNDS = 8
 #: ``bench/gpu_checks.py decode_times`` times both sides.
 FUSED_MIN_QUERIES = 2**12
 FUSED_MAX_SERIAL = 2**17
+#: Whether float32 calls without a mask go to :mod:`cupy_tiled`'s kernel
+#: (with split keys where few blocks of queries would leave the GPU idle:
+#: decoding) rather than where the ninth GPU run measured them best
+#: (:mod:`cupy_flash`'s kernel for small calls and small budgets, attend's
+#: blocks for the rest and for decoding).  Off until a GPU has timed it:
+#: ``bench/gpu_checks.py tiled_times decode_times`` time both ways.
+TILED_FORWARD = False
 #: Keys a block holds at least, where the budget can't hold whole rows (the
 #: generic algorithm's floor, below which the products lose their efficiency).
 MIN_KEYS = 512
@@ -490,20 +497,24 @@ def scaled_dot_product_attention(
     if not isinstance(scale, float):  # a 0-d array, in the inputs' dtype
         scale = xp.astype(scale, query.dtype)
     slices, budget = math.prod(batch_shape), get_memory_budget(backend, query.device)
-    flash = None
+    fused, kernel = None, cupy_flash.attend
     # A mask goes to attend's blocks, and so does a chunk_size, which asks for them.
-    if (
-        mask is None
-        and chunk_size is None
-        and prefers_fused(slices, n, m, query.shape[-1] + value.shape[-1], query.dtype.itemsize, is_causal, budget)
-    ):
-        flash = cupy_flash.plan(query.dtype.name, query.shape[-1], value.shape[-1], n, m, slices)
+    if mask is None and chunk_size is None:
+        d_k, d_v, device = query.shape[-1], value.shape[-1], query.device.id
+        if TILED_FORWARD:
+            shared, filling = cupy_tiled.device_shared_bytes(device), cupy_tiled.device_blocks(device)
+            fused, kernel = (
+                cupy_tiled.plan(query.dtype.name, d_k, d_v, n, m, slices, shared, filling),
+                cupy_tiled.attend,
+            )
+        if fused is None and prefers_fused(slices, n, m, d_k + d_v, query.dtype.itemsize, is_causal, budget):
+            fused, kernel = cupy_flash.plan(query.dtype.name, d_k, d_v, n, m, slices), cupy_flash.attend
     with query.device:
-        if flash is not None:
+        if fused is not None:
             output = attend_fused(
                 xp,
-                cupy_flash.attend,
-                flash,
+                kernel,
+                fused,
                 query=query,
                 key=key,
                 value=value,

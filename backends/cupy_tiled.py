@@ -25,6 +25,12 @@ on the float units, the products tiled as a matrix product's are:
   value features ``tx * 4 + 32 q``, a vector each (at 64 features, 128
   multiply-adds for 12 loads).
 
+A call of few blocks of queries (decoding: a query a sequence) would
+leave most of the GPU idle, each block walking all the keys; there the
+keys are cut in splits (:attr:`TiledPlan.splits`), each walked by blocks
+of its own that keep their rows' log-sum-exp, and a combine kernel joins
+them (FlashDecoding's split keys).
+
 The contract is :mod:`cupy_flash`'s (:func:`attend`): no ``mask``, the
 causal rule applied in the kernel, ``key_lengths`` as each query's count of
 keys, a row with no key gets zeros and a NaN score its row's NaN.  Its
@@ -32,9 +38,10 @@ source runs on the CPU in the tests (``tests/cuda_on_cpu.py``); ptxas
 (CUDA 13, sm_90) gives it 138 registers at 64 features, none spilled,
 and 168 at 128, 4 bytes spilled (:data:`REGISTERS`); the backward's
 kernels 137 each at 64, and 168 at 128 (the queries' side spilling 28
-bytes).  It joins the
-route when a GPU has timed it against :mod:`cupy_flash` and the blocks
-(``bench/gpu_checks.py tiled_outputs tiled_times``).
+bytes).  ``attnx.vjp`` of float32 takes it; inference joins it
+(``cupy_attention.TILED_FORWARD``) when a GPU has timed it against
+:mod:`cupy_flash` and the blocks (``bench/gpu_checks.py tiled_outputs
+tiled_times decode_times``).
 """
 
 from __future__ import annotations
@@ -75,7 +82,8 @@ TILED_SOURCE = r"""
 extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
         const float* __restrict__ query, const float* __restrict__ key, const float* __restrict__ value,
         float* __restrict__ output, float* __restrict__ stats, const int has_stats, const int* __restrict__ limits,
-        const int has_limits, const int causal, const int n, const int m, const int row_blocks, const float scale) {
+        const int has_limits, const int causal, const int n, const int m, const int row_blocks, const int slices,
+        const int key_span, const float scale) {
     extern __shared__ __align__(16) float shared[];
     float* queries = shared;                 // [BQ][QS]
     float* keys = queries + BQ * QS;         // [BK][QS]
@@ -84,12 +92,18 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
     __shared__ int block_stop;
     const float minus_infinity = __int_as_float(0xff800000);
     const int t = threadIdx.x, ty = t / KEY_GROUPS, tx = t % KEY_GROUPS;
-    const long long slice = blockIdx.x / row_blocks;
+    // Block b: the keys [split * key_span, (split + 1) * key_span) of a slice's rows (its
+    // output and statistics the split's own, joined by the combine kernel where there are several).
+    const long long split = blockIdx.x / ((long long)slices * row_blocks);
+    const long long slice = blockIdx.x / row_blocks % slices;
     // The blocks of a slice's last queries first: under the causal rule they have the most keys.
     const int first_row = (row_blocks - 1 - (int)(blockIdx.x % row_blocks)) * BQ;
+    const int split_start = (int)split * key_span;
     const float* q = query + (slice * n + first_row) * D;
     const float* k = key + slice * m * D;
     const float* v = value + slice * m * DV;
+    output += split * slices * n * DV;
+    stats += has_stats ? split * slices * n : 0;
 
     for (int i = t; i < BQ * DP; i += THREADS) {
         const int r = i / DP, e = i % DP;
@@ -114,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
         else atomicMax(&block_stop, limit[r]);
     }
     __syncthreads();
-    const int stop = block_stop;
+    const int stop = block_stop < split_start + key_span ? block_stop : split_start + key_span;
 
     float most[RM], partial[RM], out[RM][4 * VQ];
 #pragma unroll
@@ -125,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
         for (int e = 0; e < 4 * VQ; ++e) out[r][e] = 0.0f;
     }
 
-    for (int first_key = 0; first_key < stop; first_key += BK) {
+    for (int first_key = split_start; first_key < stop; first_key += BK) {
         __syncthreads();  // the last tile's reads are done
         for (int i = t; i < BK * DP; i += THREADS) {
             const int j = i / DP, e = i % DP;
@@ -218,6 +232,33 @@ extern "C" __global__ void __launch_bounds__(THREADS) KERNEL_NAME(
     }
 }
 """
+
+#: The splits' outputs joined (a call whose keys :attr:`TiledPlan.splits`
+#: cut, so that a call of few blocks of queries, decoding, fills the GPU):
+#: each row's log-sum-exp ``L = log sum_s exp(l_s)`` and its output ``sum_s
+#: exp(l_s - L) o_s`` from each split's ``l_s`` and ``o_s``; a split with no
+#: key weighs 0, a row with none gets zeros, a NaN its row's NaN.  A block a
+#: row, a thread a feature.
+COMBINE_SOURCE = r"""
+extern "C" __global__ void KERNEL_NAME(const float* __restrict__ outputs, const float* __restrict__ split_stats,
+                                       float* __restrict__ output, float* __restrict__ stats, const int has_stats,
+                                       const int splits, const long long rows) {
+    const long long row = blockIdx.x;
+    const float minus_infinity = __int_as_float(0xff800000);
+    float most = minus_infinity;
+    for (int s = 0; s < splits; ++s) most = nan_max(most, split_stats[s * rows + row]);
+    const float shift = most == minus_infinity ? 0.0f : most;
+    float total = 0.0f;
+    for (int s = 0; s < splits; ++s) total += expf(split_stats[s * rows + row] - shift);
+    for (int e = threadIdx.x; e < DV; e += blockDim.x) {
+        float sum = 0.0f;
+        for (int s = 0; s < splits; ++s) sum += expf(split_stats[s * rows + row] - shift) * outputs[(s * rows + row) * DV + e];
+        output[row * DV + e] = total == 0.0f ? 0.0f : sum / total;
+    }
+    if (has_stats && threadIdx.x == 0) stats[row] = total == 0.0f ? minus_infinity : shift + logf(total);
+}
+"""
+
 
 #: The backward's two kernels, FlashAttention-2's on the float units, each
 #: recomputing a tile's weights from the row's log-sum-exp that the forward
@@ -580,6 +621,15 @@ class TiledPlan:
     #: the first, a tile 8 times the second.
     rows_per_thread: int = 4
     keys_per_thread: int = 4
+    #: The parts the keys are cut in, each walked by its own blocks and
+    #: joined by the combine kernel: 1 but where few blocks of queries
+    #: would leave the GPU idle (:func:`plan`'s ``target_blocks``).
+    splits: int = 1
+
+    def key_span(self, m: int) -> int:
+        """The keys of a split: whole tiles."""
+        tiles = -(-m // self.tile_keys)
+        return max(1, -(-tiles // self.splits)) * self.tile_keys
 
     @property
     def block_queries(self) -> int:
@@ -608,24 +658,46 @@ class TiledPlan:
 def device_shared_bytes(device: int) -> int:
     """The shared memory a block may ask for on CUDA device ``device``
     (``sharedMemPerBlockOptin``), read once a device."""
-    return _device_shared_bytes(device)
+    return int(_device_properties(device)["sharedMemPerBlockOptin"])
+
+
+def device_blocks(device: int) -> int:
+    """The blocks that fill CUDA device ``device``: two a multiprocessor
+    (its registers hold two or three of the forward's)."""
+    return 2 * int(_device_properties(device)["multiProcessorCount"])
 
 
 @functools.cache
-def _device_shared_bytes(device: int) -> int:
+def _device_properties(device: int) -> dict[str, Any]:
     import cupy
 
-    return int(cupy.cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"])
+    return cupy.cuda.runtime.getDeviceProperties(device)
+
+
+#: The most parts a call's keys are cut in (the combine kernel reads each
+#: split's statistics for every feature).
+MAX_SPLITS = 32
 
 
 def plan(
-    dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int, shared_limit: int = SHARED_LIMIT
+    dtype_name: str,
+    d_k: int,
+    d_v: int,
+    n: int,
+    m: int,
+    slices: int,
+    shared_limit: int = SHARED_LIMIT,
+    target_blocks: int | None = None,
 ) -> TiledPlan | None:
     """The kernel's launch for a call, or None where it can't take it: a
     dtype other than float32, features past :data:`MAX_FEATURES`, positions
     past its int32 or a grid past CUDA's.  Its tiles: the first of
     :data:`TILE_CHOICES` whose outputs and scores fit a thread's registers
-    and whose block fits ``shared_limit`` (the GPU's: :func:`device_shared_bytes`)."""
+    and whose block fits ``shared_limit`` (the GPU's: :func:`device_shared_bytes`).
+    With ``target_blocks`` (:func:`device_blocks`), a call of fewer blocks of
+    queries has its keys cut in as many splits as make up the difference
+    (at most :data:`MAX_SPLITS`, and a tile of keys a split at least):
+    decoding's split keys."""
     if dtype_name != "float32" or max(d_k, d_v) > MAX_FEATURES or min(d_k, d_v) < 1:
         return None
     for rows, keys in TILE_CHOICES:
@@ -635,8 +707,12 @@ def plan(
             rows * (tiled.padded_v // 8 + keys) <= REGISTER_FLOATS
             and tiled.shared_bytes <= shared_limit
             and max(n, m) < 2**31 - 2 * queries
-            and slices * -(-n // queries) < 2**31
+            and slices * -(-n // queries) * MAX_SPLITS < 2**31
         ):
+            blocks = slices * -(-n // queries)
+            if target_blocks and blocks < target_blocks:
+                splits = min(-(-target_blocks // blocks), MAX_SPLITS, -(-m // tiled.tile_keys))
+                tiled = dataclasses.replace(tiled, splits=max(1, splits))
             return tiled
     return None
 
@@ -765,14 +841,51 @@ def attend(
     import cupy
 
     query, key, value = (cupy.ascontiguousarray(array) for array in (query, key, value))
-    output = cupy.empty((query.shape[0], query.shape[1], tiled.d_v), dtype=query.dtype)
-    stats = cupy.empty(query.shape[:2] if with_stats else (1,), dtype=query.dtype)
+    slices, n = query.shape[0], query.shape[1]
+    output = cupy.empty((slices, n, tiled.d_v), dtype=query.dtype)
+    stats = cupy.empty((slices, n) if with_stats else (1,), dtype=query.dtype)
     limits, has_limits = limits_argument(limits)
+    split = tiled.splits > 1  # each split's own output and statistics, joined after
+    parts = cupy.empty((tiled.splits, slices, n, tiled.d_v), dtype=query.dtype) if split else output
+    part_stats = cupy.empty((tiled.splits, slices, n), dtype=query.dtype) if split else stats
     grid, block, arguments = launch(
-        tiled, query, key, value, output, stats, limits, scale, causal, has_stats=with_stats, has_limits=has_limits
+        tiled,
+        query,
+        key,
+        value,
+        parts,
+        part_stats,
+        limits,
+        scale,
+        causal,
+        has_stats=with_stats or split,
+        has_limits=has_limits,
     )
     _launch(kernel_source(tiled), kernel_name(tiled), tiled.shared_bytes, grid, block, arguments)
+    if split:
+        grid, block, arguments = combine_launch(tiled, parts, part_stats, output, stats, has_stats=with_stats)
+        _launch(combine_source(tiled), combine_name(tiled), 0, grid, block, arguments)
     return (output, stats) if with_stats else output
+
+
+def combine_source(tiled: TiledPlan) -> str:
+    """The combine kernel's CUDA source for values of ``tiled.d_v`` features."""
+    return f"#define DV {tiled.d_v}\n" + HELPERS_SOURCE + COMBINE_SOURCE.replace("KERNEL_NAME", combine_name(tiled))
+
+
+def combine_name(tiled: TiledPlan) -> str:
+    return f"tiled_combine_float32_{tiled.d_v}"
+
+
+def combine_launch(
+    tiled: TiledPlan, parts: Any, part_stats: Any, output: Any, stats: Any, *, has_stats: bool
+) -> tuple[tuple[int], tuple[int], tuple[Any, ...]]:
+    """``(grid, block, arguments)`` of the combine kernel's launch: a block a
+    row, a warp's threads at least and one a feature up to 128."""
+    rows = output.shape[0] * output.shape[1]
+    threads = min(128, -(-tiled.d_v // 32) * 32)
+    arguments = (parts, part_stats, output, stats, numpy.int32(has_stats), numpy.int32(tiled.splits), numpy.int64(rows))
+    return (rows,), (threads,), arguments
 
 
 def launch(
@@ -791,13 +904,15 @@ def launch(
 ) -> tuple[tuple[int], tuple[int], tuple[Any, ...]]:
     """``(grid, block, arguments)`` of the forward's launch on C-ordered
     arrays laid out as :func:`attend` lays them out (its shared memory is
-    :attr:`TiledPlan.shared_bytes`), from their shapes alone, so that the
-    tests launch the same source on the CPU (``tests/cuda_on_cpu.py``)."""
+    :attr:`TiledPlan.shared_bytes`; ``output`` and ``stats`` each split's,
+    ``(splits, slices, n, ...)``, where the keys are split), from their
+    shapes alone, so that the tests launch the same source on the CPU
+    (``tests/cuda_on_cpu.py``)."""
     slices, n, m = query.shape[0], query.shape[1], key.shape[1]
     row_blocks = -(-n // tiled.block_queries)
-    flags = map(numpy.int32, (has_limits, causal, n, m, row_blocks))
+    flags = map(numpy.int32, (has_limits, causal, n, m, row_blocks, slices, tiled.key_span(m)))
     arguments = (query, key, value, output, stats, numpy.int32(has_stats), limits, *flags, numpy.float32(scale))
-    return (slices * row_blocks,), (THREADS,), arguments
+    return (tiled.splits * slices * row_blocks,), (THREADS,), arguments
 
 
 def attend_backward(

@@ -1062,6 +1062,21 @@ def fused_for_few_queries() -> Any:
         attnx._registry._plans.clear()
 
 
+@contextlib.contextmanager
+def tiled_forward() -> Any:
+    """float32 calls without a mask sent to the tiled kernel, for a while
+    (``cupy_attention.TILED_FORWARD``), split keys included."""
+    from attnx_backends import cupy_attention
+
+    saved, cupy_attention.TILED_FORWARD = cupy_attention.TILED_FORWARD, True
+    attnx._registry._plans.clear()
+    try:
+        yield
+    finally:
+        cupy_attention.TILED_FORWARD = saved
+        attnx._registry._plans.clear()
+
+
 def decode_times() -> None:
     """Issue 59's decoding shapes (a token a sequence over a padded cache,
     ``attnx bench --operations decode``) on CuPy against PyTorch's SDPA on
@@ -1079,6 +1094,8 @@ def decode_times() -> None:
             if dtype == "float32":
                 with fused_for_few_queries():
                     ratio(row(f"cupy fused kernel {label}", Case("attnx:cupy", **shape)), anchor)
+                with tiled_forward():
+                    ratio(row(f"cupy tiled, split keys {label}", Case("attnx:cupy", **shape)), anchor)
 
 
 def launch_cost() -> None:
@@ -1278,6 +1295,13 @@ def tiled_times() -> None:
             except Exception as exc:
                 line["error"] = repr(exc)[:500]
             print(json.dumps(line), flush=True)
+            # The whole call, attnx's dispatch and layout included, each way.
+            operation = "sdpa_causal" if causal else "sdpa"
+            shape = dict(operation=operation, batch=batch, heads=8, n=size, head_dim=d, device=CUDA, repeat=10)
+            label = f"{operation} ({batch}, 8, {size}, {d})"
+            default = row(f"cupy {label}", Case("attnx:cupy", **shape))
+            with tiled_forward():
+                ratio(row(f"cupy tiled {label}", Case("attnx:cupy", **shape)), default)
 
 
 if __name__ == "__main__":

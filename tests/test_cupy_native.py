@@ -159,15 +159,33 @@ def _cpu_limits(limits):
 
 
 def cpu_tiled_kernel(tiled, query, key, value, limits, scale, causal=False, with_stats=False):
-    """:func:`cupy_tiled.attend` with NumPy's arrays, launched on the CPU."""
+    """:func:`cupy_tiled.attend` with NumPy's arrays, launched on the CPU
+    (with the combine kernel where the keys are split)."""
     query, key, value = (np.ascontiguousarray(array) for array in (query, key, value))
-    output = np.empty((*query.shape[:2], tiled.d_v), dtype=query.dtype)
-    stats = np.empty(query.shape[:2] if with_stats else (1,), dtype=query.dtype)
+    slices, n = query.shape[:2]
+    output = np.empty((slices, n, tiled.d_v), dtype=query.dtype)
+    stats = np.empty((slices, n) if with_stats else (1,), dtype=query.dtype)
     limits, has_limits = _cpu_limits(limits)
+    split = tiled.splits > 1
+    parts = np.empty((tiled.splits, slices, n, tiled.d_v), dtype=query.dtype) if split else output
+    part_stats = np.empty((tiled.splits, slices, n), dtype=query.dtype) if split else stats
     launch = cupy_tiled.launch(
-        tiled, query, key, value, output, stats, limits, scale, causal, has_stats=with_stats, has_limits=has_limits
+        tiled,
+        query,
+        key,
+        value,
+        parts,
+        part_stats,
+        limits,
+        scale,
+        causal,
+        has_stats=with_stats or split,
+        has_limits=has_limits,
     )
     _cpu_launch(cupy_tiled.kernel_source(tiled), cupy_tiled.kernel_name(tiled), tiled.shared_bytes, *launch)
+    if split:
+        launch = cupy_tiled.combine_launch(tiled, parts, part_stats, output, stats, has_stats=with_stats)
+        _cpu_launch(cupy_tiled.combine_source(tiled), cupy_tiled.combine_name(tiled), 0, *launch)
     return (output, stats) if with_stats else output
 
 
@@ -207,19 +225,23 @@ def cpu_tiled_backward(plans, query, key, value, output, stats, cotangent, limit
     m=st.sampled_from([1, 5, 31, 32, 33, 100]),
     features=st.sampled_from([(3, 2), (64, 40), (33, 64), (128, 128)]),
     tiling=st.sampled_from([(4, 4), (2, 8), (1, 1)]),
+    splits=st.sampled_from([1, 1, 2, 3, 7]),
     is_causal=st.booleans(),
     lengths=st.sampled_from([None, "sequence", "query"]),
     keys_batch=st.sampled_from(["same", "none"]),
     seed=st.integers(0, 2**16),
 )
-def test_the_tiled_kernel_computes_the_reference(batch, n, m, features, tiling, is_causal, lengths, keys_batch, seed):
+def test_the_tiled_kernel_computes_the_reference(
+    batch, n, m, features, tiling, splits, is_causal, lengths, keys_batch, seed
+):
     """The tiled fused kernel's CUDA source on the CPU against the float64
     reference: blocks of 64 queries and tiles of 32 keys cut short or not,
     causal calls with ``n`` above and below ``m`` (the blocks of the last
     queries first), key lengths per sequence and per query (rows with no key
     get zeros), keys shared by the batch, features that fill no vector and
     128 of them (shared memory past CUDA's default 48 KiB), in tilings of a
-    thread's queries and keys down to one of each."""
+    thread's queries and keys down to one of each, the keys in splits joined
+    by the combine kernel (some with no key: more splits than tiles)."""
     rng = np.random.default_rng(seed)
     d_k, d_v = features
     query = rng.standard_normal((*batch, n, d_k)).astype(np.float32)
@@ -238,7 +260,7 @@ def test_the_tiled_kernel_computes_the_reference(batch, n, m, features, tiling, 
     got = cupy_attention.attend_fused(
         xp,
         cpu_tiled_kernel,
-        cupy_tiled.TiledPlan(d_k, d_v, *tiling),
+        cupy_tiled.TiledPlan(d_k, d_v, *tiling, splits=splits),
         query=query,
         key=key,
         value=value,
@@ -249,6 +271,28 @@ def test_the_tiled_kernel_computes_the_reference(batch, n, m, features, tiling, 
     )
     assert got.dtype == np.float32 and got.shape == expected.shape
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_keys_join_scores_past_the_exponentials_range(splits):
+    """Scores of some 400 (exp(400) overflows float32): each split shifts
+    by its own maximum, and the combine kernel joins the splits by theirs,
+    the largest first: the reference's rows, finite.  Splits without keys
+    (5 splits of 40 keys in tiles of 32) weigh nothing."""
+    rng = np.random.default_rng(9)
+    query = (rng.standard_normal((2, 3, 16)) * 40).astype(np.float32)
+    key = rng.standard_normal((2, 40, 16)).astype(np.float32)
+    value = rng.standard_normal((2, 40, 8)).astype(np.float32)
+    got, stats = cpu_tiled_kernel(
+        cupy_tiled.TiledPlan(16, 8, splits=splits), query, key, value, None, 1.0, with_stats=True
+    )
+    expected, _ = reference.scaled_dot_product_attention(query, key, value, scale=1.0)
+    scores = np.einsum("snd,smd->snm", query.astype(np.float64), key)
+    assert np.abs(scores).max() > 200
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    log_sum = scores.max(-1) + np.log(np.exp(scores - scores.max(-1, keepdims=True)).sum(-1))
+    np.testing.assert_allclose(stats, log_sum, rtol=1e-5)
 
 
 @needs_compiler
@@ -434,6 +478,25 @@ def test_the_tiled_vjp_declines_grouped_heads_that_do_not_fold():
 )
 def test_tiled_plan(dtype_name, d_k, d_v, n, m, shared_bytes):
     assert cupy_tiled.plan(dtype_name, d_k, d_v, n, m, 8).shared_bytes == shared_bytes
+
+
+@pytest.mark.parametrize(
+    ("n", "m", "slices", "target_blocks", "splits", "key_span"),
+    [
+        (1, 16384, 32, None, 1, 16384),  # not asked: one split
+        (1, 16384, 32, 264, 9, 1824),  # decoding, 32 heads on an H200 (132 multiprocessors): 9 x 32 blocks
+        (4, 4096, 8 * 32, 264, 2, 2048),  # 256 blocks of grouped queries: 2 splits reach 264
+        (1, 40, 1, 264, 2, 32),  # never more splits than tiles of keys
+        (1, 2**20, 1, 264, 32, 2**15),  # at most MAX_SPLITS
+        (8192, 8192, 8, 264, 1, 8192),  # 1,024 blocks of queries fill the GPU already
+    ],
+)
+def test_tiled_plan_splits_the_keys_of_calls_too_few_blocks_to_fill_the_gpu(
+    n, m, slices, target_blocks, splits, key_span
+):
+    tiled = cupy_tiled.plan("float32", 128, 128, n, m, slices, target_blocks=target_blocks)
+    assert (tiled.splits, tiled.key_span(m)) == (splits, key_span)
+    assert tiled.splits * tiled.key_span(m) >= m > (tiled.splits - 1) * tiled.key_span(m) - tiled.tile_keys
 
 
 @pytest.mark.parametrize(
