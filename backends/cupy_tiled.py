@@ -935,7 +935,7 @@ def attend_backward(
     # C-ordered as attend read them (no copy where they are already).
     query, key, value = (cupy.ascontiguousarray(array) for array in (query, key, value))
     cotangent = cupy.ascontiguousarray(cotangent, dtype=output.dtype)
-    deltas = cupy.sum(cotangent * output, axis=-1)
+    deltas = row_deltas(cotangent, output)
     d_query, d_key, d_value = (cupy.empty_like(array) for array in (query, key, value))
     limits, has_limits = limits_argument(limits)
     for side, (grid, block, arguments) in zip(
@@ -959,6 +959,13 @@ def attend_backward(
     ):
         _launch(backward_source(side), backward_name(side), side.shared_bytes, grid, block, arguments)
     return d_query, d_key, d_value
+
+
+def row_deltas(cotangent: Any, output: Any) -> Any:
+    """Each row's sum of its output times its cotangent, ``(slices, n)``:
+    the backward's shift of the weights' gradients (FlashAttention-2's
+    ``D``), in the arrays' own library."""
+    return (cotangent * output).sum(axis=-1)
 
 
 def backward_launches(

@@ -193,7 +193,7 @@ def cpu_tiled_backward(plans, query, key, value, output, stats, cotangent, limit
     """:func:`cupy_tiled.attend_backward` with NumPy's arrays, its two
     kernels launched on the CPU."""
     query, key, value, cotangent = (np.ascontiguousarray(array) for array in (query, key, value, cotangent))
-    deltas = np.sum(cotangent * output, axis=-1)
+    deltas = cupy_tiled.row_deltas(cotangent, output)
     d_query, d_key, d_value = (np.empty_like(array) for array in (query, key, value))
     limits, has_limits = _cpu_limits(limits)
     launches = cupy_tiled.backward_launches(
@@ -478,6 +478,41 @@ def test_the_tiled_vjp_declines_grouped_heads_that_do_not_fold():
 )
 def test_tiled_plan(dtype_name, d_k, d_v, n, m, shared_bytes):
     assert cupy_tiled.plan(dtype_name, d_k, d_v, n, m, 8).shared_bytes == shared_bytes
+
+
+def test_the_tiled_kernels_take_one_feature():
+    assert cupy_tiled.plan("float32", 1, 1, 5, 5, 1) == cupy_tiled.TiledPlan(1, 1)
+    assert cupy_tiled.backward_plans("float32", 1, 1, 5, 5, 1) is not None
+
+
+@pytest.mark.parametrize(
+    ("choices", "d", "expected"),
+    [
+        (((8, 4), (4, 4)), 128, (4, 4)),  # 8 queries of 128 value features: 160 floats, past the registers
+        (((8, 4), (4, 4)), 64, (8, 4)),  # 8 of 64: 96 floats, just
+        (((4, 8),), 128, (4, 8)),  # 4 queries and 8 keys of 128: 96
+        (((8, 8),), 64, None),  # 8 and 8 of 64: 128
+    ],
+)
+def test_tiled_plan_keeps_a_threads_outputs_and_scores_in_its_registers(monkeypatch, choices, d, expected):
+    monkeypatch.setattr(cupy_tiled, "TILE_CHOICES", choices)
+    tiled = cupy_tiled.plan("float32", d, d, 100, 100, 8, shared_limit=227 * 1024)
+    assert (None if tiled is None else (tiled.rows_per_thread, tiled.keys_per_thread)) == expected
+
+
+@pytest.mark.parametrize(
+    ("n", "m", "slices", "planned"),
+    [
+        (1, 2**31 - 129, 1, True),  # positions within int32, a block's keys past the last among them
+        (1, 2**31 - 128, 1, False),
+        (1, 2**20, 65535, True),  # 65,535 x 32,768 blocks of keys: within CUDA's grid
+        (1, 2**20, 65536, False),  # 2**31 blocks
+        (2**22 - 64, 32, 2**15, True),  # 2**31 - 2**15 blocks of queries
+        (2**22, 32, 2**15, False),  # 2**31
+    ],
+)
+def test_backward_plans_keep_positions_and_grids_in_range(n, m, slices, planned):
+    assert (cupy_tiled.backward_plans("float32", 64, 64, n, m, slices) is not None) == planned
 
 
 @pytest.mark.parametrize(
