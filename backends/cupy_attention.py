@@ -48,7 +48,7 @@ import numpy
 from attnx import blocks, get_memory_budget, natives
 from attnx.natives import MIN_ROWS
 
-from . import cupy_cudnn, cupy_flash, cupy_tiled
+from . import cupy_cudnn, cupy_flash, cupy_tiled, cupy_tiled_backward
 
 #: Causal calls are cut into blocks of rows (each of at least MIN_ROWS
 #: rows) that compute the keys up to their last row's diagonal: with 4
@@ -654,7 +654,7 @@ def scaled_dot_product_attention_vjp(
             found = tiled_vjp(
                 xp,
                 cupy_tiled.attend,
-                cupy_tiled.attend_backward,
+                cupy_tiled_backward.attend,
                 query=query,
                 key=key,
                 value=value,
@@ -688,7 +688,7 @@ def scaled_dot_product_attention_vjp(
 
 
 #: The tiled kernels' forward and backward (:func:`cupy_tiled.attend` and
-#: :func:`cupy_tiled.attend_backward`'s signatures).
+#: :func:`cupy_tiled_backward.attend`'s signatures).
 TiledAttend = Callable[..., Any]
 TiledBackward = Callable[..., tuple[Any, Any, Any]]
 
@@ -726,7 +726,7 @@ def tiled_vjp(
     ):
         return NotImplemented
     forward = cupy_tiled.plan("float32", d_k, d_v, n, m, slices, shared_limit)
-    backward_plans = cupy_tiled.backward_plans("float32", d_k, d_v, n, m, slices, shared_limit)
+    backward_plans = cupy_tiled_backward.plans("float32", d_k, d_v, n, m, slices, shared_limit)
     if forward is None or backward_plans is None:
         return NotImplemented
     # Laid out once: the backward reads the same slices (a broadcast key is a copy).

@@ -1194,7 +1194,7 @@ def tiled_outputs() -> None:
     import cupy as cp
     import numpy as np
 
-    from attnx_backends import cupy_tiled
+    from attnx_backends import cupy_tiled, cupy_tiled_backward
     from attnx_conformance import reference
 
     rng = np.random.default_rng(61)
@@ -1228,8 +1228,8 @@ def tiled_outputs() -> None:
                 arrays = [cp.asarray(a) for a in (q, k, v)]
                 limits_gpu = None if limits is None else cp.asarray(limits)
                 output, stats = cupy_tiled.attend(tiled, *arrays, limits_gpu, d_k**-0.5, causal, with_stats=True)
-                plans = cupy_tiled.backward_plans("float32", d_k, d_v, n, m, slices)
-                grads = cupy_tiled.attend_backward(
+                plans = cupy_tiled_backward.plans("float32", d_k, d_v, n, m, slices)
+                grads = cupy_tiled_backward.attend(
                     plans, *arrays, output, stats, cp.asarray(g), limits_gpu, d_k**-0.5, causal
                 )
                 wants = reference.scaled_dot_product_attention_vjp(q, k, v, g, allowed=allowed, scale=d_k**-0.5)

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnx_backends import cupy_attention, cupy_backend, cupy_cudnn, cupy_flash, cupy_tiled
+from attnx_backends import cupy_attention, cupy_backend, cupy_cudnn, cupy_flash, cupy_tiled, cupy_tiled_backward
 from attnx_conformance import reference
 
 needs_compiler = pytest.mark.skipif(cuda_on_cpu.UNAVAILABLE is not None, reason=str(cuda_on_cpu.UNAVAILABLE))
@@ -190,13 +190,13 @@ def cpu_tiled_kernel(tiled, query, key, value, limits, scale, causal=False, with
 
 
 def cpu_tiled_backward(plans, query, key, value, output, stats, cotangent, limits, scale, causal=False):
-    """:func:`cupy_tiled.attend_backward` with NumPy's arrays, its two
+    """:func:`cupy_tiled_backward.attend` with NumPy's arrays, its two
     kernels launched on the CPU."""
     query, key, value, cotangent = (np.ascontiguousarray(array) for array in (query, key, value, cotangent))
-    deltas = cupy_tiled.row_deltas(cotangent, output)
+    deltas = cupy_tiled_backward.row_deltas(cotangent, output)
     d_query, d_key, d_value = (np.empty_like(array) for array in (query, key, value))
     limits, has_limits = _cpu_limits(limits)
-    launches = cupy_tiled.backward_launches(
+    launches = cupy_tiled_backward.launches(
         plans,
         query,
         key,
@@ -213,7 +213,9 @@ def cpu_tiled_backward(plans, query, key, value, output, stats, cotangent, limit
         has_limits=has_limits,
     )
     for side, launch in zip(plans, launches):
-        _cpu_launch(cupy_tiled.backward_source(side), cupy_tiled.backward_name(side), side.shared_bytes, *launch)
+        _cpu_launch(
+            cupy_tiled_backward.kernel_source(side), cupy_tiled_backward.kernel_name(side), side.shared_bytes, *launch
+        )
     return d_query, d_key, d_value
 
 
@@ -324,7 +326,7 @@ def test_the_tiled_backward_computes_the_reference(slices, n, m, features, is_ca
     output, stats = cpu_tiled_kernel(
         cupy_tiled.TiledPlan(d_k, d_v), query, key, value, limits, scale, is_causal, with_stats=True
     )
-    plans = cupy_tiled.backward_plans("float32", d_k, d_v, n, m, slices)
+    plans = cupy_tiled_backward.plans("float32", d_k, d_v, n, m, slices)
     got = cpu_tiled_backward(plans, query, key, value, output, stats, cotangent, limits, scale, is_causal)
     allowed = reference.allowed_mask(n, m, batch_shape=(slices,), is_causal=is_causal)
     if lengths:
@@ -370,7 +372,7 @@ def test_the_tiled_backward_gives_zero_gradients_to_a_row_of_minus_infinity():
     value, cotangent = (rng.standard_normal((1, rows, 8)).astype(np.float32) for rows in (40, 70))
     output, stats = cpu_tiled_kernel(cupy_tiled.TiledPlan(8, 8), query, key, value, None, 1.0, with_stats=True)
     assert stats[0, 3] == -np.inf and np.array_equal(output[0, 3], np.zeros(8))
-    plans = cupy_tiled.backward_plans("float32", 8, 8, 70, 40, 1)
+    plans = cupy_tiled_backward.plans("float32", 8, 8, 70, 40, 1)
     d_query, d_key, d_value = cpu_tiled_backward(plans, query, key, value, output, stats, cotangent, None, 1.0)
     assert np.array_equal(d_query[0, 3], np.zeros(8))
     others = np.arange(70) != 3
@@ -482,7 +484,7 @@ def test_tiled_plan(dtype_name, d_k, d_v, n, m, shared_bytes):
 
 def test_the_tiled_kernels_take_one_feature():
     assert cupy_tiled.plan("float32", 1, 1, 5, 5, 1) == cupy_tiled.TiledPlan(1, 1)
-    assert cupy_tiled.backward_plans("float32", 1, 1, 5, 5, 1) is not None
+    assert cupy_tiled_backward.plans("float32", 1, 1, 5, 5, 1) is not None
 
 
 @pytest.mark.parametrize(
@@ -512,7 +514,7 @@ def test_tiled_plan_keeps_a_threads_outputs_and_scores_in_its_registers(monkeypa
     ],
 )
 def test_backward_plans_keep_positions_and_grids_in_range(n, m, slices, planned):
-    assert (cupy_tiled.backward_plans("float32", 64, 64, n, m, slices) is not None) == planned
+    assert (cupy_tiled_backward.plans("float32", 64, 64, n, m, slices) is not None) == planned
 
 
 @pytest.mark.parametrize(
