@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,15 @@ import numpy as np
 
 HEADER = Path(__file__).with_name("cuda_on_cpu.h")
 COMPILER = shutil.which("g++")
-#: Why the kernels can't run here, or None where they can.
-UNAVAILABLE = None if COMPILER else "no C++ compiler (g++) on this machine to run CUDA kernels on the CPU"
+#: Why the kernels can't run here, or None where they can: g++, and glibc's
+#: ucontext for the fibers.
+UNAVAILABLE = (
+    "CUDA kernels run on the CPU on Linux only (glibc's ucontext)"
+    if not sys.platform.startswith("linux")
+    else None
+    if COMPILER
+    else "no C++ compiler (g++) on this machine to run CUDA kernels on the CPU"
+)
 FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-fPIC", "-Wno-unknown-pragmas")
 #: Bytes of guard on each side of an array.
 GUARD = 64
