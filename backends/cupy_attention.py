@@ -38,7 +38,6 @@ it with a row softmax written in NumPy, so that only the kernel needs a GPU
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -48,7 +47,7 @@ import numpy
 from attnx import blocks, get_memory_budget, natives
 from attnx.natives import MIN_ROWS
 
-from . import cupy_cudnn, cupy_flash, cupy_tiled, cupy_tiled_backward
+from . import cupy_cudnn, cupy_flash, cupy_launch, cupy_tiled, cupy_tiled_backward
 
 #: Causal calls are cut into blocks of rows (each of at least MIN_ROWS
 #: rows) that compute the keys up to their last row's diagonal: with 4
@@ -176,26 +175,23 @@ def kernel_source(dtype_name: str) -> str:
     return header + ROW_SOFTMAX_SOURCE.replace("KERNEL_NAME", f"row_softmax_{dtype_name}")
 
 
-@functools.cache
-def _kernel(dtype_name: str) -> Any:
-    import cupy
-
-    return cupy.RawKernel(kernel_source(dtype_name), f"row_softmax_{dtype_name}")
-
-
-def cupy_row_softmax(scores: Any, limits: Any, first_key: int) -> tuple[Any, Any]:
+def cupy_row_softmax(
+    scores: Any, limits: Any, first_key: int, *, arrays: Any = None, run: cupy_launch.Run | None = None
+) -> tuple[Any, Any]:
     """:data:`RowSoftmax` on the GPU: one launch of the kernel, on C-ordered
-    ``scores`` (a matrix product's: they are written in place)."""
-    import cupy
-
+    ``scores`` (a matrix product's: they are written in place).  ``arrays``
+    and ``run``: CuPy and :func:`cupy_launch.run` (the tests' are NumPy and
+    a launch on the CPU)."""
+    arrays, run = arrays or cupy_launch.cupy_arrays(), run or cupy_launch.run
     if not scores.flags.c_contiguous:
         raise ValueError("the row softmax works in place on C-ordered scores")
 
-    count = scores.shape[0]
-    maxima = cupy.empty((count,), dtype=scores.dtype)
-    divisors = cupy.empty((count,), dtype=scores.dtype)
-    limits, has_limits = cupy_flash.limits_argument(limits)  # one int a row, in the rows' order
-    _kernel(scores.dtype.name)(*row_softmax_launch(scores, maxima, divisors, limits, first_key, has_limits=has_limits))
+    count, name = scores.shape[0], scores.dtype.name
+    maxima = arrays.empty((count,), dtype=scores.dtype)
+    divisors = arrays.empty((count,), dtype=scores.dtype)
+    limits, has_limits = cupy_launch.limits_argument(limits, arrays)  # one int a row, in the rows' order
+    grid, block, arguments = row_softmax_launch(scores, maxima, divisors, limits, first_key, has_limits=has_limits)
+    run(kernel_source(name), f"row_softmax_{name}", 0, grid, block, arguments)
     return maxima, divisors
 
 

@@ -40,10 +40,11 @@ blocks' time (2.9x-3.2x at d = 128), in 16 MiB where they hold 556 MiB at
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import numpy
+
+from . import cupy_launch
 
 #: The kernel, written once for ``T`` (float or double) and the sizes of
 #: :func:`kernel_source`: ``D``/``DV`` the query's and value's features,
@@ -318,47 +319,33 @@ def kernel_name(flash: FlashPlan) -> str:
     return name if flash.queries == 1 else f"{name}_{flash.queries}"
 
 
-@functools.cache
-def _kernel(flash: FlashPlan) -> Any:
-    import cupy
-
-    return cupy.RawKernel(kernel_source(flash), kernel_name(flash))
-
-
-def attend(flash: FlashPlan, query: Any, key: Any, value: Any, limits: Any, scale: float, causal: bool = False) -> Any:
+def attend(
+    flash: FlashPlan,
+    query: Any,
+    key: Any,
+    value: Any,
+    limits: Any,
+    scale: float,
+    causal: bool = False,
+    *,
+    arrays: Any = None,
+    run: cupy_launch.Run | None = None,
+) -> Any:
     """The attention of CuPy arrays ``(slices, n, d_k)``, ``(slices, m,
     d_k)`` and ``(slices, m, d_v)`` (C-ordered, in ``flash``'s dtype), each
     query's scores ``scale`` times its dot products, ``limits``
     ``(slices, n)`` the keys each attends (or None for every key), and
     ``causal`` the causal rule applied in the kernel besides:
     ``(slices, n, d_v)``, one launch.  Inputs laid out otherwise are
-    copied."""
-    import cupy
-
-    query, key, value = (cupy.ascontiguousarray(array) for array in (query, key, value))
-    output = cupy.empty((query.shape[0], query.shape[1], flash.d_v), dtype=query.dtype)
-    limits, has_limits = limits_argument(limits)
-    _kernel(flash)(*launch(flash, query, key, value, output, limits, scale, causal, has_limits=has_limits))
+    copied.  ``arrays`` and ``run``: CuPy and :func:`cupy_launch.run`
+    (the tests' are NumPy and a launch on the CPU)."""
+    arrays, run = arrays or cupy_launch.cupy_arrays(), run or cupy_launch.run
+    query, key, value = (arrays.ascontiguousarray(array) for array in (query, key, value))
+    output = arrays.empty((query.shape[0], query.shape[1], flash.d_v), dtype=query.dtype)
+    limits, has_limits = cupy_launch.limits_argument(limits, arrays)
+    grid, block, arguments = launch(flash, query, key, value, output, limits, scale, causal, has_limits=has_limits)
+    run(kernel_source(flash), kernel_name(flash), 0, grid, block, arguments)
     return output
-
-
-def limits_argument(limits: Any) -> tuple[Any, bool]:
-    """``(limits, has_limits)`` as the kernels take them: C-ordered int32,
-    or where there are none an int32 array the kernels never read (one a
-    device, made once: an allocation a call costs small calls)."""
-    import cupy
-
-    if limits is None:
-        return _no_limits(cupy.cuda.Device().id), False
-    return cupy.ascontiguousarray(limits, dtype=cupy.int32), True
-
-
-@functools.cache
-def _no_limits(device: int) -> Any:
-    import cupy
-
-    with cupy.cuda.Device(device):
-        return cupy.zeros((1,), dtype=cupy.int32)
 
 
 def launch(

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy
 
-from .cupy_flash import limits_argument
+from . import cupy_launch
 
 #: Device functions both sources use: a vector's part, a vector read from
 #: shared memory, a maximum that keeps NaN, and a vector's multiple added
@@ -411,26 +411,6 @@ def kernel_name(tiled: TiledPlan) -> str:
     return f"tiled_float32_{tiled.d_k}_{tiled.d_v}_{tiled.rows_per_thread}x{tiled.keys_per_thread}"
 
 
-@functools.cache
-def _compiled(source: str, name: str, shared_bytes: int, device: int) -> Any:
-    import cupy
-
-    kernel = cupy.RawKernel(source, name)
-    if shared_bytes > 48 * 1024:  # past CUDA's default: asked for, on this device
-        with cupy.cuda.Device(device):
-            kernel.max_dynamic_shared_size_bytes = shared_bytes
-    return kernel
-
-
-def run(source: str, name: str, shared_bytes: int, grid: Any, block: Any, arguments: Any) -> None:
-    """Launches kernel ``name`` of ``source`` on the current device with
-    ``shared_bytes`` of dynamic shared memory (asked for past 48 KiB)."""
-    import cupy
-
-    kernel = _compiled(source, name, shared_bytes, cupy.cuda.Device().id)
-    kernel(grid, block, arguments, shared_mem=shared_bytes)
-
-
 def attend(
     tiled: TiledPlan,
     query: Any,
@@ -441,23 +421,26 @@ def attend(
     causal: bool = False,
     *,
     with_stats: bool = False,
+    arrays: Any = None,
+    run: cupy_launch.Run | None = None,
 ) -> Any:
     """:func:`cupy_flash.attend`'s contract, in this kernel: CuPy arrays
     ``(slices, n, d_k)``, ``(slices, m, d_k)`` and ``(slices, m, d_v)`` in
     float32, ``limits`` ``(slices, n)`` or None, the causal rule applied in
-    the kernel where ``causal``: ``(slices, n, d_v)``, one launch.  With
-    ``with_stats``, ``(output, stats)``: each row's log-sum-exp of its
-    scores too, ``(slices, n)``, for :func:`cupy_tiled_backward.attend`."""
-    import cupy
-
-    query, key, value = (cupy.ascontiguousarray(array) for array in (query, key, value))
+    the kernel where ``causal``: ``(slices, n, d_v)``, one launch (two
+    where the keys are split).  With ``with_stats``, ``(output, stats)``:
+    each row's log-sum-exp of its scores too, ``(slices, n)``, for
+    :func:`cupy_tiled_backward.attend`.  ``arrays`` and ``run``: CuPy and
+    :func:`cupy_launch.run` (the tests' are NumPy and a launch on the CPU)."""
+    arrays, run = arrays or cupy_launch.cupy_arrays(), run or cupy_launch.run
+    query, key, value = (arrays.ascontiguousarray(array) for array in (query, key, value))
     slices, n = query.shape[0], query.shape[1]
-    output = cupy.empty((slices, n, tiled.d_v), dtype=query.dtype)
-    stats = cupy.empty((slices, n) if with_stats else (1,), dtype=query.dtype)
-    limits, has_limits = limits_argument(limits)
+    output = arrays.empty((slices, n, tiled.d_v), dtype=query.dtype)
+    stats = arrays.empty((slices, n) if with_stats else (1,), dtype=query.dtype)
+    limits, has_limits = cupy_launch.limits_argument(limits, arrays)
     split = tiled.splits > 1  # each split's own output and statistics, joined after
-    parts = cupy.empty((tiled.splits, slices, n, tiled.d_v), dtype=query.dtype) if split else output
-    part_stats = cupy.empty((tiled.splits, slices, n), dtype=query.dtype) if split else stats
+    parts = arrays.empty((tiled.splits, slices, n, tiled.d_v), dtype=query.dtype) if split else output
+    part_stats = arrays.empty((tiled.splits, slices, n), dtype=query.dtype) if split else stats
     grid, block, arguments = launch(
         tiled,
         query,

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy
 
-from .cupy_flash import limits_argument
-from .cupy_tiled import HELPERS_SOURCE, MAX_FEATURES, SHARED_LIMIT, THREADS, run
+from . import cupy_launch
+from .cupy_tiled import HELPERS_SOURCE, MAX_FEATURES, SHARED_LIMIT, THREADS
 
 #: The backward's two kernels, FlashAttention-2's on the float units, each
 #: recomputing a tile's weights from the row's log-sum-exp that the forward
@@ -433,40 +433,31 @@ def attend(
     limits: Any,
     scale: float,
     causal: bool = False,
+    *,
+    arrays: Any = None,
+    run: cupy_launch.Run | None = None,
 ) -> tuple[Any, Any, Any]:
     """The gradients ``(d_query, d_key, d_value)`` of
     :func:`cupy_tiled.attend`'s ``output`` (``with_stats``, from the same
     arrays) for its ``cotangent``: two launches, and one reduction for the
-    rows' deltas."""
-    import cupy
-
+    rows' deltas.  ``arrays`` and ``run``: CuPy and :func:`cupy_launch.run`
+    (the tests' are NumPy and a launch on the CPU)."""
+    arrays, run = arrays or cupy_launch.cupy_arrays(), run or cupy_launch.run
     # C-ordered as attend read them (no copy where they are already).
-    query, key, value = (cupy.ascontiguousarray(array) for array in (query, key, value))
-    cotangent = cupy.ascontiguousarray(cotangent, dtype=output.dtype)
+    query, key, value = (arrays.ascontiguousarray(array) for array in (query, key, value))
+    cotangent = arrays.ascontiguousarray(cotangent, dtype=output.dtype)
     deltas = row_deltas(cotangent, output)
-    d_query, d_key, d_value = (cupy.empty_like(array) for array in (query, key, value))
-    limits, has_limits = limits_argument(limits)
+    d_query, d_key, d_value = (arrays.empty_like(array) for array in (query, key, value))
+    limits, has_limits = cupy_launch.limits_argument(limits, arrays)
+    gradients = (d_query, d_key, d_value)
     for side, (grid, block, arguments) in zip(
         plans,
         launches(
-            plans,
-            query,
-            key,
-            value,
-            cotangent,
-            stats,
-            deltas,
-            d_query,
-            d_key,
-            d_value,
-            limits,
-            scale,
-            causal,
-            has_limits=has_limits,
+            plans, query, key, value, cotangent, stats, deltas, *gradients, limits, scale, causal, has_limits=has_limits
         ),
     ):
         run(kernel_source(side), kernel_name(side), side.shared_bytes, grid, block, arguments)
-    return d_query, d_key, d_value
+    return gradients
 
 
 def row_deltas(cotangent: Any, output: Any) -> Any:

@@ -1206,10 +1206,11 @@ def tiled_outputs() -> None:
             limits = rng.integers(0, m + 1, size=(slices, n)).astype(np.int32) if lengths else None
             if limits is not None:
                 limits[0, : min(n, 3)] = 0
-            with tile_choices((tiling,)):
-                tiled = cupy_tiled.plan("float32", d_k, d_v, n, m, slices)
+            with tile_choices((tiling,)):  # split keys where the call's blocks leave the GPU idle, as decoding
+                tiled = cupy_tiled.plan("float32", d_k, d_v, n, m, slices, target_blocks=cupy_tiled.device_blocks(0))
             if tiled is None:
                 continue
+            name += f" splits={tiled.splits}"
             got = cupy_tiled.attend(
                 tiled,
                 *(cp.asarray(a) for a in (q, k, v)),

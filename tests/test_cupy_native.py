@@ -10,6 +10,7 @@ it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import array_api_compat.numpy as xp
 import cuda_on_cpu
@@ -148,75 +149,16 @@ def test_blocks_compute_the_reference(
     np.testing.assert_allclose(got, expected, rtol=tolerance, atol=tolerance)
 
 
-def _cpu_launch(source, name, shared_bytes, grid, block, arguments):
+def run_on_cpu(source, name, shared_bytes, grid, block, arguments):
+    """:func:`cupy_launch.run`'s launch, on the CPU (``tests/cuda_on_cpu.py``)."""
     cuda_on_cpu.RawKernel(source, name)(grid, block, arguments, shared_mem=shared_bytes)
 
 
-def _cpu_limits(limits):
-    if limits is None:
-        return np.empty((1,), dtype=np.int32), False
-    return np.ascontiguousarray(limits, dtype=np.int32), True
-
-
-def cpu_tiled_kernel(tiled, query, key, value, limits, scale, causal=False, with_stats=False):
-    """:func:`cupy_tiled.attend` with NumPy's arrays, launched on the CPU
-    (with the combine kernel where the keys are split)."""
-    query, key, value = (np.ascontiguousarray(array) for array in (query, key, value))
-    slices, n = query.shape[:2]
-    output = np.empty((slices, n, tiled.d_v), dtype=query.dtype)
-    stats = np.empty((slices, n) if with_stats else (1,), dtype=query.dtype)
-    limits, has_limits = _cpu_limits(limits)
-    split = tiled.splits > 1
-    parts = np.empty((tiled.splits, slices, n, tiled.d_v), dtype=query.dtype) if split else output
-    part_stats = np.empty((tiled.splits, slices, n), dtype=query.dtype) if split else stats
-    launch = cupy_tiled.launch(
-        tiled,
-        query,
-        key,
-        value,
-        parts,
-        part_stats,
-        limits,
-        scale,
-        causal,
-        has_stats=with_stats or split,
-        has_limits=has_limits,
-    )
-    _cpu_launch(cupy_tiled.kernel_source(tiled), cupy_tiled.kernel_name(tiled), tiled.shared_bytes, *launch)
-    if split:
-        launch = cupy_tiled.combine_launch(tiled, parts, part_stats, output, stats, has_stats=with_stats)
-        _cpu_launch(cupy_tiled.combine_source(tiled), cupy_tiled.combine_name(tiled), 0, *launch)
-    return (output, stats) if with_stats else output
-
-
-def cpu_tiled_backward(plans, query, key, value, output, stats, cotangent, limits, scale, causal=False):
-    """:func:`cupy_tiled_backward.attend` with NumPy's arrays, its two
-    kernels launched on the CPU."""
-    query, key, value, cotangent = (np.ascontiguousarray(array) for array in (query, key, value, cotangent))
-    deltas = cupy_tiled_backward.row_deltas(cotangent, output)
-    d_query, d_key, d_value = (np.empty_like(array) for array in (query, key, value))
-    limits, has_limits = _cpu_limits(limits)
-    launches = cupy_tiled_backward.launches(
-        plans,
-        query,
-        key,
-        value,
-        cotangent,
-        stats,
-        deltas,
-        d_query,
-        d_key,
-        d_value,
-        limits,
-        scale,
-        causal,
-        has_limits=has_limits,
-    )
-    for side, launch in zip(plans, launches):
-        _cpu_launch(
-            cupy_tiled_backward.kernel_source(side), cupy_tiled_backward.kernel_name(side), side.shared_bytes, *launch
-        )
-    return d_query, d_key, d_value
+#: The kernels' shells given NumPy for CuPy and the CPU for the GPU: each
+#: shell runs as it runs on a GPU, its kernels' CUDA source included.
+ON_CPU = {"arrays": np, "run": run_on_cpu}
+cpu_tiled_kernel = functools.partial(cupy_tiled.attend, **ON_CPU)
+cpu_tiled_backward = functools.partial(cupy_tiled_backward.attend, **ON_CPU)
 
 
 @needs_compiler
@@ -722,28 +664,15 @@ def _plan(dtype, rows, keys, queries=1):
 
 
 def cpu_flash_kernel(flash, query, key, value, limits, scale, causal=False):
-    """:func:`cupy_flash.attend` with NumPy's arrays: the kernel's source for
-    ``flash``'s tiles at the call's features, launched on the CPU."""
+    """:func:`cupy_flash.attend` on the CPU, the plan's tiles at the call's
+    features."""
     flash = dataclasses.replace(flash, d_k=query.shape[-1], d_v=value.shape[-1])
-    query, key, value = (np.ascontiguousarray(array) for array in (query, key, value))
-    output = np.empty((*query.shape[:2], flash.d_v), dtype=query.dtype)
-    has_limits = limits is not None
-    limits = np.ascontiguousarray(limits, dtype=np.int32) if has_limits else np.empty((1,), dtype=np.int32)
-    kernel = cuda_on_cpu.RawKernel(cupy_flash.kernel_source(flash), cupy_flash.kernel_name(flash))
-    kernel(*cupy_flash.launch(flash, query, key, value, output, limits, scale, causal, has_limits=has_limits))
-    return output
+    return cupy_flash.attend(flash, query, key, value, limits, scale, causal, **ON_CPU)
 
 
 def cpu_row_softmax(scores, limits, first_key):
-    """:func:`cupy_attention.cupy_row_softmax` with NumPy's arrays, the
-    kernel launched on the CPU."""
-    maxima, divisors = (np.empty(scores.shape[:1], dtype=scores.dtype) for _ in range(2))
-    has_limits = limits is not None
-    limits = np.ascontiguousarray(limits, dtype=np.int32) if has_limits else np.empty((1,), dtype=np.int32)
-    name = scores.dtype.name
-    kernel = cuda_on_cpu.RawKernel(cupy_attention.kernel_source(name), f"row_softmax_{name}")
-    kernel(*cupy_attention.row_softmax_launch(scores, maxima, divisors, limits, first_key, has_limits=has_limits))
-    return maxima, divisors
+    """:func:`cupy_attention.cupy_row_softmax` on the CPU."""
+    return cupy_attention.cupy_row_softmax(scores, limits, first_key, **ON_CPU)
 
 
 FLASH_KERNELS = [numpy_flash_kernel, pytest.param(cpu_flash_kernel, marks=needs_compiler)]
