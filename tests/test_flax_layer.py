@@ -11,6 +11,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 flax = pytest.importorskip("flax")
 import jax  # noqa: E402
@@ -199,6 +201,111 @@ def test_bad_inputs_are_refused_by_name_as_flax_refuses_them(case):
         nnx.dot_product_attention(query, key, value, **call)
     with pytest.raises(ValueError, match="^attnx.flax: " + re.escape(message)):
         attnx.flax.dot_product_attention(query, key, value, **call)
+
+
+#: The wrong calls of ``dot_product_attention`` (``(..., n, H, d)``), one at a time.
+FAULTS = [
+    "a 2-D query",
+    "keys of another rank",
+    "keys of another batch",
+    "values of other positions",
+    "values of other heads",
+    "keys of other features",
+    "key heads that do not divide the query's",
+    "a bias of other keys",
+    "a bias of other heads",
+    "a mask of other keys",
+    "a mask of other queries",
+]
+
+
+@st.composite
+def _attention_calls(draw):
+    """``(fault, query, key, value, call)``: a right call (half the time),
+    or one wrong in one of the ways of :data:`FAULTS`."""
+    gen = np.random.default_rng(draw(st.integers(0, 2**16)))
+    fault = draw(st.sampled_from([None] * len(FAULTS) + FAULTS))
+    batch = draw(st.sampled_from([(), (2,), (2, 3)]))
+    n, m, d = draw(st.integers(1, 4)), draw(st.integers(1, 4)), 4
+    heads = draw(st.sampled_from([1, 2, 4]))
+    kv_heads = draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0]))
+    if fault == "key heads that do not divide the query's":
+        heads, kv_heads = 3, 2
+
+    def array(*shape):
+        return jnp.asarray(gen.standard_normal(shape), jnp.float32)
+
+    key_batch = (*batch[:-1], batch[-1] + 1) if fault == "keys of another batch" and batch else batch
+    query = array(*batch, n, heads, d)
+    key = array(*key_batch, m, kv_heads, d - (fault == "keys of other features"))
+    value = array(
+        *key_batch, m + (fault == "values of other positions"), kv_heads + (fault == "values of other heads"), d
+    )
+    if fault == "keys of another batch" and not batch:
+        key, value = key[None], value[None]  # then of another rank too, which Flax refuses as well
+    if fault == "a 2-D query":
+        query = query.reshape(-1, d)
+    if fault == "keys of another rank":
+        key, value = key[None], value[None]
+    scores = (*batch, heads, n, m)
+    call = {}
+    for name in ("bias", "mask"):
+        shape = draw(st.sampled_from([None, scores, (*batch, 1, 1, m), (n, m), (heads, 1, m)]))
+        wrong = {
+            "a bias of other keys": ("bias", (*batch, heads, n, m + 1)),
+            "a bias of other heads": ("bias", (*batch, heads + 1, n, m)),
+            "a mask of other keys": ("mask", (*batch, 1, n, m + 1)),
+            "a mask of other queries": ("mask", (n + 1, m)),
+        }
+        if fault in wrong and wrong[fault][0] == name:
+            shape = wrong[fault][1]
+        if shape is not None:
+            values = array(*shape)
+            # Every query keeps its first key: Flax gives a row of no key the mean of the values, attnx zeros.
+            call[name] = values if name == "bias" else (values > 0) | (jnp.arange(shape[-1]) == 0)
+    if draw(st.booleans()) and n <= m:  # Flax's causal rule, from the first key: every query keeps one
+        call["is_causal"] = True
+    return fault, query, key, value, call
+
+
+def _grows(shape, scores):
+    """Whether an array of ``shape`` added to the scores makes them larger."""
+    try:
+        return np.broadcast_shapes(shape, scores) != scores
+    except ValueError:
+        return False  # not broadcastable at all: refused by both
+
+
+@settings(max_examples=25, deadline=None)
+@given(_attention_calls())
+def test_dot_product_attention_refuses_what_flaxs_refuses_and_computes_the_rest_alike(drawn):
+    """Differential: over calls right and wrong, ours refuses (a ValueError
+    or TypeError, nothing else) exactly those ``nnx.dot_product_attention``
+    refuses, and where both compute, the outputs agree.  One difference, by
+    design: a bias or mask that would grow the scores (one key, a bias of
+    two) Flax broadcasts the scores up to, and attnx refuses."""
+    fault, query, key, value, call = drawn
+    event(fault or "a right call")
+    well_formed = query.ndim >= 3 and key.ndim == query.ndim
+    scores = (*query.shape[:-3], query.shape[-2], query.shape[-3], key.shape[-3]) if well_formed else ()
+    if well_formed and any(_grows(call[name].shape, scores) for name in ("bias", "mask") if name in call):
+        # One key (or query) and a bias or mask of more: Flax broadcasts the scores up to it and
+        # attends keys that are not there; attnx refuses to grow them.
+        event("a bias or mask that grows the scores")
+        with pytest.raises(ValueError, match="must broadcast to the scores' shape"):
+            attnx.flax.dot_product_attention(query, key, value, **call)
+        return
+    try:
+        expected = nnx.dot_product_attention(query, key, value, **call)
+    except (ValueError, TypeError, AssertionError, IndexError):  # Flax's and jax.numpy's own errors
+        expected = None
+    event("Flax refuses" if expected is None else "Flax computes")
+    if expected is None:
+        with pytest.raises((ValueError, TypeError)):
+            attnx.flax.dot_product_attention(query, key, value, **call)
+        return
+    got = attnx.flax.dot_product_attention(query, key, value, **call)
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
 
 
 def test_each_dropout_key_draws_a_mask_of_its_own():
