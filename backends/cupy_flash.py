@@ -253,10 +253,6 @@ class FlashPlan:
 _ITEMSIZE = {"float32": 4, "float64": 8}
 
 
-def _padded(size: int, vector: int) -> int:
-    return -(-size // vector) * vector
-
-
 def plan(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int) -> FlashPlan | None:
     """The kernel's blocks for a call, or None where it can't take it (a
     dtype other than float32 or float64, features past its registers,
@@ -274,7 +270,7 @@ def plan(dtype_name: str, d_k: int, d_v: int, n: int, m: int, slices: int) -> Fl
     if itemsize is None or max(n, m) >= 2**31 - 512 or slices * -(-n // min(ROW_CHOICES, default=1)) >= 2**31:
         return None
     vector = 16 // itemsize
-    padded_k, padded_v = _padded(d_k, vector), _padded(d_v, vector)
+    padded_k, padded_v = cupy_launch.padded(d_k, vector), cupy_launch.padded(d_v, vector)
     fitting = [
         (queries, keys)
         for queries in QUERY_CHOICES
@@ -302,8 +298,8 @@ def kernel_source(flash: FlashPlan) -> str:
         "D": flash.d_k,
         "DV": flash.d_v,
         "VEC": flash.vector,
-        "DP": _padded(flash.d_k, flash.vector),
-        "DVP": _padded(flash.d_v, flash.vector),
+        "DP": cupy_launch.padded(flash.d_k, flash.vector),
+        "DVP": cupy_launch.padded(flash.d_v, flash.vector),
         "ROWS": flash.rows,
         "KEYS": flash.keys,
         "QPT": flash.queries,

@@ -47,6 +47,12 @@ def _compiled(source: str, name: str, shared_bytes: int, device: int) -> Any:
     return kernel
 
 
+def padded(size: int, multiple: int) -> int:
+    """``size`` rounded up to a whole number of ``multiple``: the kernels'
+    features padded to vectors, and to what their threads share out."""
+    return -(-size // multiple) * multiple
+
+
 def limits_argument(limits: Any, arrays: Any) -> tuple[Any, bool]:
     """``(limits, has_limits)`` as the kernels take them: C-ordered int32,
     or where there are none an int32 array they never read (on a GPU one a

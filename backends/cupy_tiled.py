@@ -317,11 +317,11 @@ class TiledPlan:
 
     @property
     def padded_k(self) -> int:
-        return -(-self.d_k // 4) * 4
+        return cupy_launch.padded(self.d_k, 4)
 
     @property
     def padded_v(self) -> int:
-        return -(-self.d_v // 32) * 32
+        return cupy_launch.padded(self.d_v, 32)
 
     @property
     def shared_bytes(self) -> int:
@@ -476,7 +476,7 @@ def combine_launch(
     """``(grid, block, arguments)`` of the combine kernel's launch: a block a
     row, a warp's threads at least and one a feature up to 128."""
     rows = output.shape[0] * output.shape[1]
-    threads = min(128, -(-tiled.d_v // 32) * 32)
+    threads = min(128, cupy_launch.padded(tiled.d_v, 32))
     arguments = (parts, part_stats, output, stats, numpy.int32(has_stats), numpy.int32(tiled.splits), numpy.int64(rows))
     return (rows,), (threads,), arguments
 

@@ -371,9 +371,7 @@ class BackwardPlan:
         ``DVP``), and to the 32 and 64 that the gradients' threads share
         out (``DPQ``; ``DPA``, ``DVPA``)."""
 
-        def padded(size: int, to: int) -> int:
-            return -(-size // to) * to
-
+        padded = cupy_launch.padded
         return {
             "D": self.d_k,
             "DV": self.d_v,
