@@ -866,6 +866,27 @@ def _cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return ""
 
 
+def _vector_units(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The widest vector instructions the processor has, where Linux says
+    (empty elsewhere).  It decides how NumPy's exponential compares with
+    PyTorch's: on AVX2 hosts of these VMs ``np.exp`` of float32 took 1.3x
+    ``torch.exp``'s time, on AVX-512 ones 0.4x (docs/archive/bench-sessions.md,
+    fifty-fourth session), and with it a NumPy training step's ratio to
+    PyTorch's."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return ""
+    flags = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):  # x86, Arm
+            flags.update(line.partition(":")[2].split())
+    for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("sve", "SVE"), ("asimd", "NEON")):
+        if flag in flags:
+            return name
+    return ""
+
+
 def machine_record(command: str) -> dict:
     """What a report's reader needs to know of the run: when, on what, with
     which libraries (``run.json`` beside ``results.json``; the docs'
@@ -886,6 +907,7 @@ def machine_record(command: str) -> dict:
             "cpu": _cpu_model() or platform.processor() or platform.machine(),
             "cpus": os.cpu_count(),
             "arch": platform.machine(),
+            "vector": _vector_units(),
             "idle": _idle_policy(),
             "python": _python(),
         },
@@ -941,7 +963,9 @@ def markdown(results: Sequence[Result], command: str, grid: bool = False, rounds
             "",
         ]
     machine = ", ".join(
-        part for part in (platform.machine(), f"{os.cpu_count()} CPUs", _idle_policy(), _python()) if part
+        part
+        for part in (platform.machine(), _vector_units(), f"{os.cpu_count()} CPUs", _idle_policy(), _python())
+        if part
     )
     clustered = cluster_rows(results)
     if clustered:

@@ -76,9 +76,8 @@ def scaled_dot_product_attention_vjp(
 
     def backward(cotangent: Any) -> tuple[Any, Any, Any, Any]:
         d_out = _as_slices(cotangent, batch_shape, slices)
-        shift = np.sum(d_out * output, axis=-1, keepdims=True)  # rowsum(dO * O)
         d_query, d_key, d_value, d_scale = _backward(
-            q, k, v, d_out, lse, shift, scale, is_causal, masks, groups, chunks, backend
+            q, k, v, d_out, lse, output, scale, is_causal, masks, groups, chunks, backend
         )
         if groups > 1:  # in the keys' and values' own shapes
             d_key, d_value = d_key.reshape(key.shape), d_value.reshape(value.shape)
@@ -95,7 +94,7 @@ def _backward(
     v: Any,
     d_out: Any,
     lse: Any,
-    shift: Any,
+    output: Any,
     scale: Any,
     is_causal: bool,
     masks: CallMasks | None,
@@ -104,7 +103,8 @@ def _backward(
     backend: Any,
 ) -> tuple[Any, Any, Any, Any]:
     """``(d_query, d_key, d_value, d_scale)`` of ``(slices, n, d)`` query
-    slices against ``(slices / groups, m, d)`` key/value slices."""
+    slices against ``(slices / groups, m, d)`` key/value slices, given the
+    forward's ``output`` and row statistics ``lse``."""
     slices, n, d_k = q.shape
     key_slices, m, d_v = v.shape
     dtype = q.dtype
@@ -142,6 +142,7 @@ def _backward(
             _scratch(per_tile * rows * key_chunk, dtype),
             _scratch(per_tile * rows * key_chunk, dtype, "gradients"),
         )
+        parts_buffer = _scratch(parts_size(per_tile, rows, key_chunk, d_k, d_v), dtype, "parts")
         factors = (
             None if masks is None or masks.lengths is None else _scratch(per_tile * rows * key_chunk, dtype, "factors")
         )
@@ -164,7 +165,7 @@ def _backward(
                         v[kv_global],
                         d_out[a0:a1, r0:r1],
                         lse[a0:a1, r0:r1],
-                        shift[a0:a1, r0:r1],
+                        output[a0:a1, r0:r1],
                         d_query[a0:a1, r0:r1],
                         own_key[kv],
                         own_value[kv],
@@ -176,6 +177,7 @@ def _backward(
                         block_masks,
                         weights_buffer,
                         gradient_buffer,
+                        parts_buffer,
                         factors,
                     )
         return k0, own_key, own_value, d_scale
@@ -192,13 +194,20 @@ def _backward(
     return d_query, d_key, d_value, d_scale
 
 
+def parts_size(slices: int, rows: int, key_chunk: int, d_k: int, d_v: int) -> int:
+    """Items of :func:`_rows`'s ``parts_buffer`` for tiles of ``slices`` by
+    ``rows`` by ``key_chunk``: the scaled queries, then room for the largest
+    product (a tile's rows or keys by a feature axis)."""
+    return slices * (rows * d_k + max(rows, key_chunk) * max(d_k, d_v))
+
+
 def _rows(
     q: Any,
     k: Any,
     v: Any,
     d_out: Any,
     lse: Any,
-    shift: Any,
+    output: Any,
     d_query: Any,
     d_key: Any,
     d_value: Any,
@@ -210,15 +219,17 @@ def _rows(
     masks: Any,
     weights_buffer: Any,
     gradient_buffer: Any,
+    parts_buffer: Any,
     factors: Any,
 ) -> float:
     """The gradients' parts from the query rows ``r0:r0 + rows`` of some
-    slices (``q``: ``(slices, rows, d_k)``) against their keys (``k``:
-    ``(slices or 1, m, d_k)``): their ``d_query`` rows written, their parts
-    of ``d_key`` and ``d_value`` (``k``'s slices) added; returns their part
-    of the scale's gradient."""
+    slices (``q``: ``(slices, rows, d_k)``; ``output``, their forward's
+    outputs) against their keys (``k``: ``(slices or 1, m, d_k)``): their
+    ``d_query`` rows written, their parts of ``d_key`` and ``d_value``
+    (``k``'s slices) added; returns their part of the scale's gradient.
+    ``parts_buffer`` (flat, :func:`parts_size` items) holds the scaled
+    queries and each product before it is added."""
     a, rows, m = q.shape[0], q.shape[1], k.shape[1]
-    q_scaled = q * scale
     stop = min(m, r0 + rows + m - n) if is_causal else m
     free = stop
     if masks is not None:
@@ -226,6 +237,18 @@ def _rows(
     if stop == 0:  # no row attends a key: no gradient
         d_query[...] = 0
         return 0.0
+    # The products to be added, in this thread's buffer rather than arrays
+    # of their own: made and freed at every tile, those took the heap's top
+    # up and down, and every other training step paid its page faults again
+    # (some 10% of a causal backward at (1, 8, 2048, 64)).
+    d_k, d_v = q.shape[2], v.shape[2]
+    q_scaled = np.multiply(q, scale, out=parts_buffer[: a * rows * d_k].reshape(a, rows, d_k))
+    parts = parts_buffer[a * rows * d_k :]
+
+    def part(shape: tuple[int, ...]) -> Any:
+        return parts[: math.prod(shape)].reshape(shape)
+
+    shift = np.multiply(d_out, output, out=part((a, rows, d_v))).sum(axis=-1, keepdims=True)  # rowsum(dO * O)
     key_t, value_t = k.transpose(0, 2, 1), v.transpose(0, 2, 1)
     shared = k.shape[0] == 1 and a > 1  # grouped heads: the group's parts summed into one key slice
     for c0 in range(0, stop, key_chunk):
@@ -242,17 +265,17 @@ def _rows(
                 np.copyto(_last_keys(weights, kept), -np.inf, where=kept == 0)
         weights -= lse
         np.exp(weights, out=weights)  # P
-        part = np.matmul(weights.transpose(0, 2, 1), d_out)
-        d_value[:, c0:c1] += part.sum(axis=0, keepdims=True) if shared else part
+        value_part = np.matmul(weights.transpose(0, 2, 1), d_out, out=part((a, c1 - c0, d_v)))
+        d_value[:, c0:c1] += value_part.sum(axis=0, keepdims=True) if shared else value_part
         gradient = np.matmul(d_out, value_t[..., c0:c1], out=gradient_buffer[: math.prod(shape)].reshape(shape))
         gradient -= shift
         gradient *= weights  # dS
         if c0 == 0:
             np.matmul(gradient, k[:, c0:c1], out=d_query)
         else:
-            d_query += gradient @ k[:, c0:c1]
-        part = np.matmul(gradient.transpose(0, 2, 1), q_scaled)
-        d_key[:, c0:c1] += part.sum(axis=0, keepdims=True) if shared else part
+            d_query += np.matmul(gradient, k[:, c0:c1], out=part(d_query.shape))
+        key_part = np.matmul(gradient.transpose(0, 2, 1), q_scaled, out=part((a, c1 - c0, d_k)))
+        d_key[:, c0:c1] += key_part.sum(axis=0, keepdims=True) if shared else key_part
     # dS K is d_query unscaled: the scale's gradient is its product with the queries
     d_scale = float(np.vdot(d_query, q))
     d_query *= scale

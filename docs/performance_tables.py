@@ -35,6 +35,12 @@ def _shape_header(rows: list[dict]) -> str:
     return "shape (B, H, n, d)"
 
 
+def _vector(machine: dict) -> str:
+    """The vector units, where the run recorded them (runs before the
+    fifty-fourth session did not)."""
+    return f" ({machine['vector']})" if machine.get("vector") else ""
+
+
 def _section(folder: Path) -> list[str]:
     run = json.loads((folder / "run.json").read_text())
     rows = [row for row in json.loads((folder / "results.json").read_text()) if row["median_s"]]
@@ -43,7 +49,7 @@ def _section(folder: Path) -> list[str]:
     lines = [
         f"## {run['date']}: {machine['cpu']}, {machine['cpus']} CPUs",
         "",
-        f"`{run['command']}` on {machine['arch']}, {machine['python']}; {libraries}.",
+        f"`{run['command']}` on {machine['arch']}{_vector(machine)}, {machine['python']}; {libraries}.",
     ]
     if machine.get("idle"):
         lines += ["", f"Idle policy: {machine['idle']}."]
