@@ -490,34 +490,62 @@ def _exact_unshifted(totals: Any, output: Any, m: int) -> bool:
     return output.size == 0 or bool(-high <= output.min() and output.max() <= high)  # d_v may be 0
 
 
-def _products(query: Any, key_t: Any, buffer: Any, c0: int, c1: int) -> Any:
-    """The scores of ``query`` against the keys ``c0:c1``, in ``buffer``."""
+def keys_first(masks: BlockMasks | None) -> bool:
+    """Whether a block's tiles of scores are held keys by queries, ``(slices,
+    keys, rows)``, and seen through a transposed view: OpenBLAS's sgemm
+    makes K Q^T faster than Q K^T (1.34 ns a score against 1.70 with its
+    AVX-512 kernels at d = 64 on one core; 1.25 against 1.30 with its AVX2
+    ones), and a backward's P^T dO and dS^T Q then read the tile as it lies
+    (1.32 against 1.51; 1.24 against 1.44).  Not where a mask varies by
+    query: it lies queries by keys in the user's memory, and applying it
+    across the tile's grain took 1.76x the time of a forward at (1, 8,
+    2048, 64); lengths and padding masks, one row of keys per slice, are
+    read along either grain alike."""
+    if masks is None:
+        return True
+    return all(mask is None or mask.shape[-2] == 1 for mask in (masks.allowed, masks.additive))
+
+
+def _products(query: Any, key_t: Any, buffer: Any, c0: int, c1: int, held_keys_first: bool) -> Any:
+    """The scores of ``query`` against the keys ``c0:c1``, ``(slices, rows,
+    keys)``, in ``buffer``: held keys by queries and seen through a
+    transposed view where ``held_keys_first`` (:func:`keys_first`)."""
     slices, rows = query.shape[0], query.shape[1]
-    return np.matmul(query, key_t[..., c0:c1], out=buffer[: slices * rows * (c1 - c0)].reshape(slices, rows, c1 - c0))
+    if not held_keys_first:
+        held = buffer[: slices * rows * (c1 - c0)].reshape(slices, rows, c1 - c0)
+        return np.matmul(query, key_t[..., c0:c1], out=held)
+    keys = key_t[..., c0:c1].transpose(0, 2, 1)
+    held = buffer[: slices * rows * (c1 - c0)].reshape(slices, c1 - c0, rows)
+    return np.matmul(keys, query.transpose(0, 2, 1), out=held).transpose(0, 2, 1)
 
 
-def _mask_future(scores: Any, r0: int, n: int, m: int, c0: int, c1: int, exponentials: bool) -> None:
+def _mask_future(
+    scores: Any, r0: int, n: int, m: int, c0: int, c1: int, exponentials: bool, held_keys_first: bool
+) -> None:
     """Mask the keys ``c0:c1`` in the future of the queries ``r0:r0 + rows``
     on the band where the causal diagonal crosses them: scores are set to
     ``-inf``; their exponentials (``exponentials``) are multiplied by 0
     there: the same where they are finite (an inf becomes NaN, which its
     row's sum carries to :func:`_exact_unshifted`), in a third of the time (8 us
     against 27 us for (4, 128, 128) float32) where the band is the whole
-    block.  A product on part of each row takes three times as long as on
-    whole rows: the product takes whole rows where the band would be a
-    third of them or more."""
+    block.  ``scores`` ``(slices, rows, keys)`` is held keys by queries
+    where ``held_keys_first`` (:func:`keys_first`), and the band, its keys
+    ``b0:c1``, is then a run of whole rows of the tile as it lies.  Held
+    queries by keys, the band is part of each row, which takes three times
+    as long as whole rows: the product takes whole rows where the band
+    would be a third of them or more."""
     past = r0 + m - n + 1  # keys before it are in every row's past: no mask needed
     if c1 <= past:
         return
     b0 = max(c0, past)
+    if exponentials and not held_keys_first and 3 * (c1 - b0) >= c1 - c0:
+        b0 = c0
+    held = scores.transpose(0, 2, 1)[:, b0 - c0 :] if held_keys_first else scores[..., b0 - c0 :]
+    geometry = (n, m, r0, r0 + scores.shape[1], b0, c1)
     if exponentials:
-        if 3 * (c1 - b0) >= c1 - c0:
-            b0 = c0
-        band = scores[..., b0 - c0 :]
-        np.multiply(band, _band(n, m, r0, r0 + scores.shape[1], b0, c1, scores.dtype), out=band)
+        np.multiply(held, _band(*geometry, scores.dtype, held_keys_first), out=held)
     else:
-        band = scores[..., b0 - c0 :]
-        np.copyto(band, -np.inf, where=_band(n, m, r0, r0 + scores.shape[1], b0, c1, bool))
+        np.copyto(held, -np.inf, where=_band(*geometry, bool, held_keys_first))
 
 
 def _last_keys(scores: Any, kept: Any) -> Any:
@@ -529,23 +557,27 @@ def _last_keys(scores: Any, kept: Any) -> Any:
 #: The causal mask on the band of a block, by the block's geometry and dtype
 #: (see :func:`_band`): building one takes some 17 us, a tenth of a task of
 #: four (128, 128) slices.  At most BANDS of at most BAND_ITEMS each.
-_bands: dict[tuple[int, int, int, Any], Any] = {}
+_bands: dict[tuple[int, int, int, Any, bool], Any] = {}
 BANDS, BAND_ITEMS = 64, 2**16
 
 
-def _band(n: int, m: int, r0: int, r1: int, b0: int, c1: int, dtype: Any) -> Any:
-    """``(r1 - r0, c1 - b0)``: where a key of ``b0:c1`` is in the future of a
-    query of ``r0:r1`` (the negation of the causal rule): True there as
-    booleans, or as a float ``dtype`` the factor 0 there and 1 elsewhere.
-    It depends only on the block's size and where the diagonal crosses it,
-    so blocks of the same geometry share one read-only array."""
-    geometry = (r1 - r0, c1 - b0, r0 + m - n - b0, dtype)
+def _band(n: int, m: int, r0: int, r1: int, b0: int, c1: int, dtype: Any, held_keys_first: bool = False) -> Any:
+    """``(r1 - r0, c1 - b0)``, or ``(c1 - b0, r1 - r0)`` where
+    ``held_keys_first`` (as the tiles are held, :func:`keys_first`): where
+    a key of ``b0:c1`` is in the future of a query of ``r0:r1`` (the
+    negation of the causal rule): True there as booleans, or as a float
+    ``dtype`` the factor 0 there and 1 elsewhere.  It depends only on the
+    block's size and where the diagonal crosses it, so blocks of the same
+    geometry share one read-only array."""
+    geometry = (r1 - r0, c1 - b0, r0 + m - n - b0, dtype, held_keys_first)
     band = _bands.get(geometry)
     if band is None:
         past = natives.combined_mask(
             xp, mask=None, key_lengths=None, is_causal=True, batch_shape=(), n=n, m=m, rows=(r0, r1), cols=(b0, c1)
         )
         band = ~past if dtype is bool else past.astype(dtype)
+        if held_keys_first:
+            band = np.ascontiguousarray(band.T)
         if band.size <= BAND_ITEMS:
             band.flags.writeable = False
             if len(_bands) >= BANDS:
@@ -596,9 +628,10 @@ def _attend_block(
             shifts[...] = 0
         return
     shift = None
+    held_keys_first = keys_first(masks)
     for c0 in range(0, stop, key_chunk):
         c1 = min(stop, c0 + key_chunk)
-        scores = _products(query, key_t, buffer, c0, c1)
+        scores = _products(query, key_t, buffer, c0, c1, held_keys_first)
         additive = allowed = kept = None
         if masks is not None:
             additive, allowed, kept = masks.block(r0, r0 + rows, c0, c1, free, scores.dtype, factors)
@@ -606,7 +639,7 @@ def _attend_block(
                 np.add(scores, additive, out=scores)
         if shifted:
             if is_causal:
-                _mask_future(scores, r0, n, m, c0, c1, exponentials=False)
+                _mask_future(scores, r0, n, m, c0, c1, False, held_keys_first)
             if allowed is not None:
                 np.copyto(scores, -np.inf, where=~allowed)
             if kept is not None:
@@ -631,7 +664,7 @@ def _attend_block(
         np.exp(scores, out=scores)
         if not shifted:
             if is_causal:
-                _mask_future(scores, r0, n, m, c0, c1, exponentials=True)
+                _mask_future(scores, r0, n, m, c0, c1, True, held_keys_first)
             # Forbidden keys weigh 0 (an exponential that overflowed gives NaN, caught by the sums).
             if allowed is not None:
                 np.multiply(scores, allowed, out=scores)

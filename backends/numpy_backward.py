@@ -33,7 +33,17 @@ import numpy as np
 
 from attnx import get_memory_budget, natives
 
-from .numpy_attention import _as_slices, _last_keys, _mask_future, _scratch, _slices_taken, attend, plan
+from .numpy_attention import (
+    _as_slices,
+    _last_keys,
+    _mask_future,
+    _products,
+    _scratch,
+    _slices_taken,
+    attend,
+    keys_first,
+    plan,
+)
 from .numpy_masks import CallMasks
 
 
@@ -249,27 +259,38 @@ def _rows(
         return parts[: math.prod(shape)].reshape(shape)
 
     shift = np.multiply(d_out, output, out=part((a, rows, d_v))).sum(axis=-1, keepdims=True)  # rowsum(dO * O)
-    key_t, value_t = k.transpose(0, 2, 1), v.transpose(0, 2, 1)
     shared = k.shape[0] == 1 and a > 1  # grouped heads: the group's parts summed into one key slice
+    # Tiles are held as the forward's are (numpy_attention.keys_first):
+    # keys by queries but where a mask varies by query.  Passes over a
+    # whole tile take it as it lies; products see it through a view.
+    held_keys_first = keys_first(masks)
+
+    def as_held(array: Any) -> Any:
+        """An ``(a, rows, ...)`` array or view as the tiles lie in memory."""
+        return array.transpose(0, 2, 1) if held_keys_first else array
+
+    key_t, value_t = k.transpose(0, 2, 1), v.transpose(0, 2, 1)
+    lse_held, shift_held = as_held(lse), as_held(shift)
     for c0 in range(0, stop, key_chunk):
         c1 = min(stop, c0 + key_chunk)
-        shape = (a, rows, c1 - c0)
-        weights = np.matmul(q_scaled, key_t[..., c0:c1], out=weights_buffer[: math.prod(shape)].reshape(shape))
+        weights = _products(q_scaled, key_t, weights_buffer, c0, c1, held_keys_first)
         if is_causal:
-            _mask_future(weights, r0, n, m, c0, c1, exponentials=False)
+            _mask_future(weights, r0, n, m, c0, c1, False, held_keys_first)
         if masks is not None:
             _, allowed, kept = masks.block(r0, r0 + rows, c0, c1, free, weights.dtype, factors)
             if allowed is not None:
                 np.copyto(weights, -np.inf, where=~allowed)
             if kept is not None:
                 np.copyto(_last_keys(weights, kept), -np.inf, where=kept == 0)
-        weights -= lse
-        np.exp(weights, out=weights)  # P
+        held = as_held(weights)
+        held -= lse_held
+        np.exp(held, out=held)  # P
         value_part = np.matmul(weights.transpose(0, 2, 1), d_out, out=part((a, c1 - c0, d_v)))
         d_value[:, c0:c1] += value_part.sum(axis=0, keepdims=True) if shared else value_part
-        gradient = np.matmul(d_out, value_t[..., c0:c1], out=gradient_buffer[: math.prod(shape)].reshape(shape))
-        gradient -= shift
-        gradient *= weights  # dS
+        gradient = _products(d_out, value_t, gradient_buffer, c0, c1, held_keys_first)
+        gradient_held = as_held(gradient)
+        gradient_held -= shift_held
+        gradient_held *= held  # dS
         if c0 == 0:
             np.matmul(gradient, k[:, c0:c1], out=d_query)
         else:

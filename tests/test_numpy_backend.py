@@ -390,9 +390,9 @@ def _recorded_key_stops(monkeypatch):
     stops = []
     original = numpy_attention._products
 
-    def recording(query, key_t, buffer, c0, c1):
+    def recording(query, key_t, buffer, c0, c1, *layout):
         stops.append(c1)
-        return original(query, key_t, buffer, c0, c1)
+        return original(query, key_t, buffer, c0, c1, *layout)
 
     monkeypatch.setattr(numpy_attention, "_products", recording)
     return stops
@@ -652,16 +652,18 @@ def test_causal_spans_run_again_shifted_where_a_slice_overflows_unshifted(monkey
 def test_causal_bands_are_shared_only_by_blocks_of_one_geometry(blocks):
     """The native keeps each block's causal band by its size and where the
     diagonal crosses it: every band it hands out, cached or not, is the
-    causal rule's future for that block (key ``j`` after query ``i + m - n``)."""
+    causal rule's future for that block (key ``j`` after query ``i + m - n``),
+    queries by keys or, as tiles held keys first see it, keys by queries."""
     from attnx_backends import numpy_attention
 
     for n, r0, rows, b0, width in blocks:
         r0 = min(r0, n - 1)
         r1 = min(n, r0 + rows)
         m = max(n, b0 + width)
-        future = numpy_attention._band(n, m, r0, r1, b0, b0 + width, bool)
         queries, keys = np.arange(r0, r1)[:, None], np.arange(b0, b0 + width)[None, :]
-        np.testing.assert_array_equal(future, keys > queries + (m - n))
+        for held_keys_first in (False, True):
+            future = numpy_attention._band(n, m, r0, r1, b0, b0 + width, bool, held_keys_first)
+            np.testing.assert_array_equal(future.T if held_keys_first else future, keys > queries + (m - n))
 
 
 @settings(max_examples=300, deadline=None)
