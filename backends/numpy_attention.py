@@ -2,10 +2,11 @@
 
 The generic algorithm (array API only) is the reference every backend is
 held to; this one computes the same function faster where NumPy allows
-what the standard does not: exponentials and shifts in place, a transposed
-view of the keys handed straight to BLAS, outputs written into one
-preallocated array, and blocks of several (batch, head) slices run on
-threads that each hold BLAS to one core.
+what the standard does not: exponentials and shifts in place, tiles of
+scores held keys by queries where BLAS computes them faster so
+(:func:`keys_first`), transposed views handed straight to BLAS, outputs
+written into one preallocated array, and blocks of several (batch, head)
+slices run on threads that each hold BLAS to one core.
 
 The work is cut into tasks of ``slices`` (batch, head) pairs by ``rows``
 queries (a causal call of one task a thread: spans of rows of equal work,
