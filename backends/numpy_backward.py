@@ -248,9 +248,9 @@ def _rows(
         d_query[...] = 0
         return 0.0
     # The products to be added, in this thread's buffer rather than arrays
-    # of their own: made and freed at every tile, those took the heap's top
-    # up and down, and every other training step paid its page faults again
-    # (some 10% of a causal backward at (1, 8, 2048, 64)).
+    # of their own made and freed at every tile, which move glibc's heap
+    # top up and down (a training loop paid page faults every other step;
+    # most of those that are left are the gradients', new arrays each step).
     d_k, d_v = q.shape[2], v.shape[2]
     q_scaled = np.multiply(q, scale, out=parts_buffer[: a * rows * d_k].reshape(a, rows, d_k))
     parts = parts_buffer[a * rows * d_k :]
