@@ -507,6 +507,13 @@ def keys_first(masks: BlockMasks | None) -> bool:
     return all(mask is None or mask.shape[-2] == 1 for mask in (masks.allowed, masks.additive))
 
 
+def as_held(array: Any, held_keys_first: bool) -> Any:
+    """An ``(slices, rows, ...)`` array or view as the tiles lie in memory:
+    transposed where they are held keys by queries (:func:`keys_first`),
+    so that a pass over a whole tile takes it in its own order."""
+    return array.transpose(0, 2, 1) if held_keys_first else array
+
+
 def _products(query: Any, key_t: Any, buffer: Any, c0: int, c1: int, held_keys_first: bool) -> Any:
     """The scores of ``query`` against the keys ``c0:c1``, ``(slices, rows,
     keys)``, in ``buffer``: held keys by queries and seen through a
@@ -541,7 +548,7 @@ def _mask_future(
     b0 = max(c0, past)
     if exponentials and not held_keys_first and 3 * (c1 - b0) >= c1 - c0:
         b0 = c0
-    held = scores.transpose(0, 2, 1)[:, b0 - c0 :] if held_keys_first else scores[..., b0 - c0 :]
+    held = as_held(scores[..., b0 - c0 :], held_keys_first)
     geometry = (n, m, r0, r0 + scores.shape[1], b0, c1)
     if exponentials:
         np.multiply(held, _band(*geometry, scores.dtype, held_keys_first), out=held)

@@ -40,6 +40,7 @@ from .numpy_attention import (
     _products,
     _scratch,
     _slices_taken,
+    as_held,
     attend,
     keys_first,
     plan,
@@ -264,13 +265,8 @@ def _rows(
     # keys by queries but where a mask varies by query.  Passes over a
     # whole tile take it as it lies; products see it through a view.
     held_keys_first = keys_first(masks)
-
-    def as_held(array: Any) -> Any:
-        """An ``(a, rows, ...)`` array or view as the tiles lie in memory."""
-        return array.transpose(0, 2, 1) if held_keys_first else array
-
     key_t, value_t = k.transpose(0, 2, 1), v.transpose(0, 2, 1)
-    lse_held, shift_held = as_held(lse), as_held(shift)
+    lse_held, shift_held = as_held(lse, held_keys_first), as_held(shift, held_keys_first)
     for c0 in range(0, stop, key_chunk):
         c1 = min(stop, c0 + key_chunk)
         weights = _products(q_scaled, key_t, weights_buffer, c0, c1, held_keys_first)
@@ -282,13 +278,13 @@ def _rows(
                 np.copyto(weights, -np.inf, where=~allowed)
             if kept is not None:
                 np.copyto(_last_keys(weights, kept), -np.inf, where=kept == 0)
-        held = as_held(weights)
+        held = as_held(weights, held_keys_first)
         held -= lse_held
         np.exp(held, out=held)  # P
         value_part = np.matmul(weights.transpose(0, 2, 1), d_out, out=part((a, c1 - c0, d_v)))
         d_value[:, c0:c1] += value_part.sum(axis=0, keepdims=True) if shared else value_part
         gradient = _products(d_out, value_t, gradient_buffer, c0, c1, held_keys_first)
-        gradient_held = as_held(gradient)
+        gradient_held = as_held(gradient, held_keys_first)
         gradient_held -= shift_held
         gradient_held *= held  # dS
         if c0 == 0:
